@@ -1,0 +1,31 @@
+# Set-up and everyday commands. TORCH_SPEC is installed first so that a CPU wheel
+# is used where one is available; override it for CUDA: make train TORCH_SPEC=torch
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: venv dev train test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+
+venv: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+dev: $(BIN)/python
+	$(BIN)/pip install -q -e ".[dev]"
+
+train: venv
+	$(BIN)/carl-train +experiment=quick
+
+test: dev
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python scripts/bench_sim.py
+
+clean:
+	rm -rf $(VENV) runs outputs

@@ -1,0 +1,250 @@
+"""The one map format: a compiled lane graph.
+
+Every map source (procedural towns, OpenDRIVE through ``carla.Map``, nuPlan GeoPackage) builds a list of
+:class:`Lane` objects plus traffic control and calls :meth:`LaneGraph.build`. The simulator only ever sees a
+``LaneGraph`` (numpy, saved to a compact versioned ``.npz``) and its compiled raster layers
+(:mod:`envs.maps.raster`).
+
+Frame: right-handed, metres, x east, y north, yaw counter-clockwise from +x. Loaders of left-handed sources
+(CARLA) flip y before building.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+# Lane-marking types stored per lane boundary.
+MARK_NONE, MARK_BROKEN, MARK_SOLID = 0, 1, 2
+# Junction control kinds.
+CONTROL_NONE, CONTROL_LIGHT, CONTROL_STOP = 0, 1, 2
+
+
+class MapError(ValueError):
+    """A map that cannot be built or loaded; the message names the file or element."""
+
+
+@dataclass
+class Lane:
+    """One driving lane as a loader describes it (before compilation)."""
+
+    points: np.ndarray  # [N, 2] centre polyline in driving direction, N >= 2
+    width: float = 3.5
+    speed_limit: float = 13.89  # m/s
+    is_junction: bool = False
+    successors: list[int] = field(default_factory=list)
+    left: int = -1  # same-direction neighbour to the left (lane change target), -1 none
+    right: int = -1
+    left_marking: int = MARK_SOLID
+    right_marking: int = MARK_SOLID
+    junction: int = -1  # junction id for junction lanes (and for lanes ending at a junction: see stop lines)
+
+
+@dataclass
+class StopLine:
+    """A place where traffic control applies: the end of ``lane`` (an approach lane into a junction)."""
+
+    lane: int
+    control: int  # CONTROL_LIGHT or CONTROL_STOP
+    light_group: int = -1  # index into LaneGraph.light_groups for CONTROL_LIGHT
+
+
+@dataclass
+class LightGroup:
+    """A set of signal heads that show the same colour: phase ``phase`` of junction ``junction``."""
+
+    junction: int
+    phase: int
+    num_phases: int
+
+
+@dataclass
+class LaneGraph:
+    """Compiled lane graph (numpy arrays). Build with :meth:`build`; save/load with :meth:`save`/:meth:`load`.
+
+    Lanes are concatenated polylines resampled to at most ``max_spacing`` metres: lane ``i`` owns
+    ``points[offsets[i]:offsets[i+1]]``. Links are CSR arrays.
+    """
+
+    name: str
+    points: np.ndarray  # [P, 2] float32
+    offsets: np.ndarray  # [L+1] int64
+    width: np.ndarray  # [L] float32
+    speed_limit: np.ndarray  # [L] float32 m/s
+    is_junction: np.ndarray  # [L] bool
+    junction: np.ndarray  # [L] int32 (-1 none)
+    succ_offsets: np.ndarray  # [L+1] int64
+    succ_index: np.ndarray  # [E] int32
+    left: np.ndarray  # [L] int32
+    right: np.ndarray  # [L] int32
+    left_marking: np.ndarray  # [L] uint8
+    right_marking: np.ndarray  # [L] uint8
+    stop_lane: np.ndarray  # [K] int32 lane whose end carries the stop line
+    stop_control: np.ndarray  # [K] uint8
+    stop_light_group: np.ndarray  # [K] int32
+    light_junction: np.ndarray  # [G] int32
+    light_phase: np.ndarray  # [G] int32
+    light_num_phases: np.ndarray  # [G] int32
+    crosswalks: np.ndarray  # [C, 4, 2] float32 convex quads
+    shoulder_points: np.ndarray  # [Q, 2] float32 shoulder/parking polylines (drawn, not driven)
+    shoulder_offsets: np.ndarray  # [S+1] int64
+    shoulder_width: np.ndarray  # [S] float32
+    speed_signs: np.ndarray  # [Z, 3] float32 (x, y, limit m/s)
+    meta: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        lanes: list[Lane],
+        stop_lines: list[StopLine] = (),
+        light_groups: list[LightGroup] = (),
+        crosswalks: np.ndarray | None = None,
+        shoulders: list[tuple[np.ndarray, float]] = (),
+        speed_signs: np.ndarray | None = None,
+        max_spacing: float = 1.0,
+        meta: dict | None = None,
+    ) -> "LaneGraph":
+        """Validate loader output and compile it. Errors name the map and the offending element."""
+        if not lanes:
+            raise MapError(f"map '{name}': no driving lanes; a map needs at least one lane")
+        n = len(lanes)
+        pts, offs = [], [0]
+        for i, lane in enumerate(lanes):
+            p = np.asarray(lane.points, dtype=np.float64)
+            if p.ndim != 2 or p.shape[1] != 2 or len(p) < 2 or not np.isfinite(p).all():
+                raise MapError(f"map '{name}': lane {i} has an invalid polyline of shape {p.shape} "
+                               "(need >= 2 finite (x, y) points)")
+            if lane.width <= 0 or not np.isfinite(lane.width):
+                raise MapError(f"map '{name}': lane {i} has width {lane.width}; widths must be > 0")
+            for j in (*lane.successors, lane.left, lane.right):
+                if j >= n or j < -1:
+                    raise MapError(f"map '{name}': lane {i} links to lane {j}, but the map has {n} lanes")
+            p = resample_polyline(p, max_spacing)
+            pts.append(p)
+            offs.append(offs[-1] + len(p))
+        succ_off, succ_idx = [0], []
+        for lane in lanes:
+            succ_idx.extend(lane.successors)
+            succ_off.append(len(succ_idx))
+        for k, s in enumerate(stop_lines):
+            if not 0 <= s.lane < n:
+                raise MapError(f"map '{name}': stop line {k} refers to lane {s.lane}, but the map has {n} lanes")
+            if s.control == CONTROL_LIGHT and not 0 <= s.light_group < len(light_groups):
+                raise MapError(f"map '{name}': stop line {k} uses light group {s.light_group}, "
+                               f"but the map has {len(light_groups)}")
+        sh_pts, sh_off, sh_w = [], [0], []
+        for p, w in shoulders:
+            p = resample_polyline(np.asarray(p, dtype=np.float64), max_spacing)
+            sh_pts.append(p)
+            sh_off.append(sh_off[-1] + len(p))
+            sh_w.append(w)
+        return cls(
+            name=name,
+            points=np.concatenate(pts).astype(np.float32),
+            offsets=np.asarray(offs, np.int64),
+            width=np.array([l.width for l in lanes], np.float32),
+            speed_limit=np.array([l.speed_limit for l in lanes], np.float32),
+            is_junction=np.array([l.is_junction for l in lanes], bool),
+            junction=np.array([l.junction for l in lanes], np.int32),
+            succ_offsets=np.asarray(succ_off, np.int64),
+            succ_index=np.asarray(succ_idx, np.int32),
+            left=np.array([l.left for l in lanes], np.int32),
+            right=np.array([l.right for l in lanes], np.int32),
+            left_marking=np.array([l.left_marking for l in lanes], np.uint8),
+            right_marking=np.array([l.right_marking for l in lanes], np.uint8),
+            stop_lane=np.array([s.lane for s in stop_lines], np.int32),
+            stop_control=np.array([s.control for s in stop_lines], np.uint8),
+            stop_light_group=np.array([s.light_group for s in stop_lines], np.int32),
+            light_junction=np.array([g.junction for g in light_groups], np.int32),
+            light_phase=np.array([g.phase for g in light_groups], np.int32),
+            light_num_phases=np.array([g.num_phases for g in light_groups], np.int32),
+            crosswalks=(np.zeros((0, 4, 2), np.float32) if crosswalks is None
+                        else np.asarray(crosswalks, np.float32).reshape(-1, 4, 2)),
+            shoulder_points=(np.concatenate(sh_pts).astype(np.float32) if sh_pts
+                             else np.zeros((0, 2), np.float32)),
+            shoulder_offsets=np.asarray(sh_off, np.int64),
+            shoulder_width=np.asarray(sh_w, np.float32),
+            speed_signs=(np.zeros((0, 3), np.float32) if speed_signs is None
+                         else np.asarray(speed_signs, np.float32).reshape(-1, 3)),
+            meta=dict(meta or {}),
+        )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_lanes(self) -> int:
+        return len(self.width)
+
+    def lane_points(self, i: int) -> np.ndarray:
+        return self.points[self.offsets[i]:self.offsets[i + 1]]
+
+    def successors(self, i: int) -> np.ndarray:
+        return self.succ_index[self.succ_offsets[i]:self.succ_offsets[i + 1]]
+
+    def predecessors(self) -> list[list[int]]:
+        """Predecessor lists, derived from successors (not stored: one source of truth)."""
+        pred: list[list[int]] = [[] for _ in range(self.num_lanes)]
+        for i in range(self.num_lanes):
+            for j in self.successors(i):
+                pred[int(j)].append(i)
+        return pred
+
+    def lane_lengths(self) -> np.ndarray:
+        d = np.linalg.norm(np.diff(self.points, axis=0), axis=1)
+        seg_lane = np.repeat(np.arange(self.num_lanes), np.diff(self.offsets))[:-1]
+        same = np.diff(np.repeat(np.arange(self.num_lanes), np.diff(self.offsets))) == 0
+        return np.bincount(seg_lane[same], weights=d[same], minlength=self.num_lanes).astype(np.float32)
+
+    def bounds(self, margin: float = 10.0) -> tuple[float, float, float, float]:
+        """(xmin, ymin, xmax, ymax) of everything drawn, with a margin."""
+        allp = [self.points, self.shoulder_points, self.crosswalks.reshape(-1, 2)]
+        p = np.concatenate([a for a in allp if len(a)])
+        lo, hi = p.min(0) - margin, p.max(0) + margin
+        return float(lo[0]), float(lo[1]), float(hi[0]), float(hi[1])
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> None:
+        """Write a compact versioned ``.npz`` atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("name", "meta")}
+        header = json.dumps({"version": FORMAT_VERSION, "name": self.name, "meta": self.meta})
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LaneGraph":
+        path = Path(path)
+        if not path.exists():
+            raise MapError(f"map file {path} does not exist")
+        try:
+            with np.load(path) as z:
+                header = json.loads(bytes(z["__header__"]).decode())
+                arrays = {k: z[k] for k in z.files if k != "__header__"}
+        except Exception as e:  # noqa: BLE001 - any unreadable file gets the same actionable message
+            raise MapError(f"map file {path} is not a readable carl lane graph ({e}); rebuild it") from e
+        if header.get("version") != FORMAT_VERSION:
+            raise MapError(f"map file {path} has format version {header.get('version')}, this carl reads "
+                           f"version {FORMAT_VERSION}; delete the file to rebuild it")
+        return cls(name=header["name"], meta=header.get("meta", {}), **arrays)
+
+
+def resample_polyline(p: np.ndarray, max_spacing: float) -> np.ndarray:
+    """Insert points so no segment is longer than ``max_spacing``; drops repeated points."""
+    keep = np.concatenate([[True], np.linalg.norm(np.diff(p, axis=0), axis=1) > 1e-6])
+    p = p[keep]
+    if len(p) < 2:
+        raise MapError("polyline collapses to a single point")
+    seg = np.linalg.norm(np.diff(p, axis=0), axis=1)
+    n_sub = np.maximum(1, np.ceil(seg / max_spacing).astype(int))
+    out = [p[:1]]
+    for a, b, k in zip(p[:-1], p[1:], n_sub):
+        t = (np.arange(1, k + 1) / k)[:, None]
+        out.append(a + (b - a) * t)
+    return np.concatenate(out)
