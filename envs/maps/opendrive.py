@@ -1,0 +1,641 @@
+"""OpenDRIVE (CARLA Town maps) -> :class:`~envs.maps.lanegraph.LaneGraph`, through the real ``carla`` package.
+
+``carla.Map(name, xodr_text)`` parses OpenDRIVE offline (no server). This module walks the parsed map and emits
+the one map format of this project:
+
+* **Lanes.** Every topology lane piece (one ``(road, section, lane)`` of type Driving) becomes a :class:`Lane`:
+  its centre line is sampled with ``Waypoint.next_until_lane_end(spacing)`` from the piece's entry waypoint, so the
+  polyline already runs in the driving direction. Successors come from ``Map.get_topology()``; left/right
+  neighbours from ``get_left_lane()``/``get_right_lane()`` when the neighbour is a same-direction Driving lane and
+  ``Waypoint.lane_change`` allows the change; markings from ``left_lane_marking``/``right_lane_marking``
+  (Broken/BrokenBroken/BottsDots -> broken; Solid/SolidSolid/Curb/Grass -> solid; the mixed SolidBroken/BrokenSolid
+  -> broken if the lane change to that side is allowed, else solid; NONE/Other -> none). Lanes that have no
+  topology edge at all (isolated roads) are recovered from ``generate_waypoints``.
+* **Frame.** CARLA is left-handed (its y axis is OpenDRIVE's flipped). All coordinates go through
+  :func:`carla_to_world` (``(x, y) -> (x, -y)``) and headings through :func:`carla_yaw_to_world`
+  (``yaw_deg -> -radians(yaw_deg)``). Mirroring keeps "left of the driving direction" left: a lane's left
+  neighbour lies on the positive side of the cross product in our frame (tested).
+* **Traffic lights** (landmark type ``1000001``). CARLA's exports place the signal references on the junction's
+  connecting roads, with lane validities. Each (road, lane-in-validity, s) is resolved to a lane piece; a junction
+  piece's non-junction predecessors are the approach lanes, a non-junction piece is followed downstream to the
+  lane that enters the junction. Each approach lane gets ``StopLine(lane, CONTROL_LIGHT, group)``. Phases: within
+  a junction, the signal heads (landmark ids) are clustered by the axis of their approach heading -- heads whose
+  approaches are parallel or opposite (heading difference < 30 deg or > 150 deg) share a phase; one
+  :class:`LightGroup` per (junction, phase). (CARLA's own server cycles every head of a group in turn; the
+  axis-based phases here let opposite approaches go together, which is the usual real-world plan.)
+* **Stop signs** (type ``206``) are mapped the same way to ``CONTROL_STOP`` stop lines. **Yield signs** (``205``)
+  are ignored: CARLA's Leaderboard only scores running stop signs and red lights.
+* **Derived control.** Maps without any traffic-light or stop-sign landmark (the 2019 Town03/Town05 exports
+  shipped in ``shared/data``) get derived control: every junction where >= 3 distinct approach roads meet is
+  signalised, one light group per approach axis (as above); ``meta["derived_control"]`` is then ``True``.
+* **Speed limits** (type ``274``; the value is km/h even where the export says "mph", as CARLA reads it). A sign
+  seeds the lane pieces of its road/section and valid lanes; every other lane takes the limit of the nearest
+  upstream sign along the lane graph (Dijkstra over lane lengths); unreached lanes get CARLA's town default of
+  30 km/h. Sign positions are also stored as ``speed_signs`` (x, y, m/s).
+* **Shoulders.** Shoulder and Parking lanes adjacent to the outermost driving lanes become shoulder polylines
+  with their median width.
+* **Crosswalks.** ``Map.get_crosswalks()`` (closed polygons, first point repeated) -> ``[C, 4, 2]`` convex quads;
+  non-quads are replaced by their minimum-area bounding rectangle.
+
+Entry points: :func:`load_opendrive` (any ``.xodr`` file) and :func:`load_town` (``"Town01"`` ..., with an
+``.npz`` cache keyed by the xodr's sha256).
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import os
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from envs.maps.lanegraph import (
+    CONTROL_LIGHT,
+    CONTROL_STOP,
+    MARK_BROKEN,
+    MARK_NONE,
+    MARK_SOLID,
+    Lane,
+    LaneGraph,
+    LightGroup,
+    MapError,
+    StopLine,
+)
+
+__all__ = [
+    "carla_to_world",
+    "world_to_carla",
+    "carla_yaw_to_world",
+    "world_yaw_to_carla",
+    "load_opendrive",
+    "load_town",
+    "available_towns",
+    "default_maps_dir",
+    "LOADER_VERSION",
+]
+
+#: Bumped whenever the loader's output changes, so cached ``.npz`` files are rebuilt.
+LOADER_VERSION = 1
+#: CARLA's default town speed limit (30 km/h) in m/s.
+DEFAULT_SPEED_LIMIT = 30.0 / 3.6
+#: Approaches whose headings differ by less than this (mod 180 deg) share a light phase.
+PHASE_AXIS_TOLERANCE_DEG = 30.0
+#: How far (m) a signal on a non-junction lane is followed downstream to find the junction it guards.
+MAX_APPROACH_SEARCH = 80.0
+
+TYPE_TRAFFIC_LIGHT = "1000001"
+TYPE_SPEED_LIMIT = "274"
+TYPE_STOP = "206"
+TYPE_YIELD = "205"
+
+Key = tuple[int, int, int]  # (road_id, section_id, lane_id)
+
+
+# ---------------------------------------------------------------------------------------------- frame conversion
+def carla_to_world(x: Any, y: Any) -> tuple[Any, Any]:
+    """CARLA world (left-handed) position -> our right-handed frame: ``(x, y) -> (x, -y)``.
+
+    Works on scalars and numpy arrays alike. Use it for everything in CARLA coordinates (map waypoints,
+    landmark transforms, Leaderboard route XML positions).
+    """
+    return x, -y
+
+
+def world_to_carla(x: Any, y: Any) -> tuple[Any, Any]:
+    """Inverse of :func:`carla_to_world` (the flip is its own inverse)."""
+    return x, -y
+
+
+def carla_yaw_to_world(yaw_deg: Any) -> Any:
+    """CARLA yaw (degrees, clockwise-positive seen from above) -> our yaw (radians, counter-clockwise)."""
+    return -np.radians(yaw_deg)
+
+
+def world_yaw_to_carla(yaw_rad: Any) -> Any:
+    """Inverse of :func:`carla_yaw_to_world`: our yaw (radians) -> CARLA yaw (degrees)."""
+    return -np.degrees(yaw_rad)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _import_carla() -> Any:
+    try:
+        import carla  # noqa: PLC0415 - optional dependency, imported on use
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise MapError("loading OpenDRIVE maps needs the carla client package: pip install carla==0.9.16") from e
+    return carla
+
+
+def _validate_xodr(path: Path) -> str:
+    """Read ``path`` and check it is an OpenDRIVE document with roads; return its text. Raises MapError."""
+    if not path.is_file():
+        raise MapError(f"OpenDRIVE file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MapError(f"OpenDRIVE file {path} cannot be read as UTF-8 text ({e})") from e
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as e:
+        raise MapError(f"OpenDRIVE file {path} is not well-formed XML ({e})") from e
+    if root.tag != "OpenDRIVE":
+        raise MapError(f"OpenDRIVE file {path} has root element <{root.tag}>, expected <OpenDRIVE>")
+    if root.find("road") is None:
+        raise MapError(f"OpenDRIVE file {path} has no <road> elements")
+    return text
+
+
+def _key(wp: Any) -> Key:
+    return (wp.road_id, wp.section_id, wp.lane_id)
+
+
+def _xy(loc: Any) -> tuple[float, float]:
+    x, y = carla_to_world(loc.x, loc.y)
+    return float(x), float(y)
+
+
+def _marking(carla: Any, mark_type: Any, change_allowed: bool) -> int:
+    T = carla.LaneMarkingType
+    if mark_type in (T.Broken, T.BrokenBroken, T.BottsDots):
+        return MARK_BROKEN
+    if mark_type in (T.SolidBroken, T.BrokenSolid):
+        return MARK_BROKEN if change_allowed else MARK_SOLID
+    if mark_type in (T.Solid, T.SolidSolid, T.Curb, T.Grass):
+        return MARK_SOLID
+    return MARK_NONE
+
+
+def _end_heading(points: np.ndarray) -> float:
+    d = points[-1] - points[-2]
+    return math.atan2(d[1], d[0])
+
+
+def _axial_diff(a: float, b: float) -> float:
+    """Angle between two undirected axes, in [0, pi/2]."""
+    d = (a - b) % math.pi
+    return min(d, math.pi - d)
+
+
+def _axial_mean(angles: Iterable[float]) -> float:
+    """Mean axis (mod pi) of a set of headings (doubled-angle circular mean)."""
+    a = np.asarray(list(angles), np.float64)
+    return 0.5 * math.atan2(np.sin(2 * a).mean(), np.cos(2 * a).mean())
+
+
+def _cluster_axes(headings: dict[Any, float]) -> dict[Any, int]:
+    """Greedily cluster items by heading axis; returns item -> phase index (phases ordered by first item)."""
+    tol = math.radians(PHASE_AXIS_TOLERANCE_DEG)
+    reps: list[float] = []
+    out: dict[Any, int] = {}
+    for item in sorted(headings, key=str):
+        h = headings[item]
+        for k, r in enumerate(reps):
+            if _axial_diff(h, r) < tol:
+                out[item] = k
+                break
+        else:
+            out[item] = len(reps)
+            reps.append(h)
+    return out
+
+
+def _min_area_rect(points: np.ndarray) -> np.ndarray:
+    """Minimum-area bounding rectangle [4, 2] (counter-clockwise) of a 2-D point set."""
+    p = np.unique(np.round(points, 6), axis=0)
+    if len(p) < 3:
+        raise ValueError("degenerate polygon")
+    hull = _convex_hull(p)
+    best, best_area = None, np.inf
+    for a, b in zip(hull, np.roll(hull, -1, axis=0)):
+        e = b - a
+        n = np.linalg.norm(e)
+        if n < 1e-9:
+            continue
+        u = e / n
+        v = np.array([-u[1], u[0]])
+        pu, pv = hull @ u, hull @ v
+        area = (pu.max() - pu.min()) * (pv.max() - pv.min())
+        if area < best_area:
+            best_area = area
+            best = np.array([u * pu.min() + v * pv.min(), u * pu.max() + v * pv.min(),
+                             u * pu.max() + v * pv.max(), u * pu.min() + v * pv.max()])
+    if best is None or best_area < 1e-6:
+        raise ValueError("degenerate polygon")
+    return best
+
+
+def _convex_hull(p: np.ndarray) -> np.ndarray:
+    """Andrew's monotone chain; counter-clockwise hull without repeated end point."""
+    p = p[np.lexsort((p[:, 1], p[:, 0]))]
+
+    def half(pts: np.ndarray) -> list[np.ndarray]:
+        h: list[np.ndarray] = []
+        for q in pts:
+            while len(h) >= 2 and np.cross(h[-1] - h[-2], q - h[-2]) <= 0:
+                h.pop()
+            h.append(q)
+        return h
+
+    lower, upper = half(p), half(p[::-1])
+    return np.array(lower[:-1] + upper[:-1])
+
+
+def _to_quad(poly: np.ndarray) -> np.ndarray | None:
+    """A crosswalk polygon -> a convex counter-clockwise quad, or None if degenerate."""
+    try:
+        if len(poly) == 4:
+            c = poly.mean(0)
+            q = poly[np.argsort(np.arctan2(poly[:, 1] - c[1], poly[:, 0] - c[0]))]
+            e = np.roll(q, -1, axis=0) - q
+            cross = e[:, 0] * np.roll(e, -1, axis=0)[:, 1] - e[:, 1] * np.roll(e, -1, axis=0)[:, 0]
+            if (cross > 1e-9).all():
+                return q
+        return _min_area_rect(poly)
+    except ValueError:
+        return None
+
+
+def _crosswalk_quads(locations: list[Any]) -> np.ndarray:
+    """Split CARLA's flat crosswalk point list (closed polygons) into convex quads in our frame."""
+    pts = np.array([_xy(l) for l in locations], np.float64).reshape(-1, 2)
+    quads: list[np.ndarray] = []
+    i = 0
+    while i < len(pts):
+        j = i + 1
+        while j < len(pts) and np.linalg.norm(pts[j] - pts[i]) > 1e-3:
+            j += 1
+        q = _to_quad(pts[i:j])  # pts[j] (if any) repeats pts[i] and closes the polygon
+        if q is not None:
+            quads.append(q)
+        i = j + 1
+    return np.array(quads, np.float32).reshape(-1, 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------- the loader
+class _Builder:
+    """Walks one ``carla.Map`` and collects lanes, control, shoulders, crosswalks and speed signs."""
+
+    def __init__(self, carla: Any, cmap: Any, name: str, spacing: float):
+        self.carla, self.m, self.name, self.spacing = carla, cmap, name, spacing
+        self.keys: list[Key] = []
+        self.index: dict[Key, int] = {}
+        self.entry: list[Any] = []  # entry waypoint per piece
+        self.wps: list[list[Any]] = []  # sampled waypoints per piece
+        self.lanes: list[Lane] = []
+        self.succ: list[set[int]] = []
+
+    # ----------------------------------------------------------------- lane pieces
+    def _add_piece(self, wp: Any) -> int:
+        k = _key(wp)
+        if k not in self.index:
+            self.index[k] = len(self.keys)
+            self.keys.append(k)
+            self.entry.append(wp)
+            self.succ.append(set())
+        return self.index[k]
+
+    def collect_pieces(self) -> None:
+        topo = self.m.get_topology()
+        for a, _ in topo:
+            self._add_piece(a)
+        for _, b in topo:
+            self._add_piece(b)
+        for a, b in topo:
+            self.succ[self.index[_key(a)]].add(self.index[_key(b)])
+        # Lanes without any topology edge (isolated roads): recover their start from generate_waypoints.
+        seen: set[Key] = set(self.index)
+        for wp in self.m.generate_waypoints(self.spacing):
+            k = _key(wp)
+            if k in seen:
+                continue
+            seen.add(k)
+            back = wp.previous_until_lane_start(self.spacing)
+            self._add_piece(back[-1] if back else wp)
+
+    def sample_pieces(self) -> None:
+        for i, wp in enumerate(self.entry):
+            k = self.keys[i]
+            ws = [wp] + [w for w in wp.next_until_lane_end(self.spacing) if _key(w) == k]
+            self.wps.append(ws)
+            # CARLA reports some dead-end lanes as their own successor; keep a self-link only for a closed loop.
+            if i in self.succ[i] and ws[-1].transform.location.distance(wp.transform.location) > self.spacing:
+                self.succ[i].discard(i)
+
+    def _polyline(self, i: int) -> np.ndarray:
+        ws = self.wps[i]
+        pts = [_xy(w.transform.location) for w in ws]
+        # Close the gap to the successors' common start (the lane end) when sampling stopped short of it.
+        starts = [_xy(self.entry[j].transform.location) for j in sorted(self.succ[i])]
+        if starts:
+            end = np.mean(starts, axis=0)
+            gap = math.dist(pts[-1], end)
+            if 1e-3 < gap <= 1.5 * self.spacing + 0.5:
+                pts.append((float(end[0]), float(end[1])))
+        p = np.array(pts, np.float64)
+        if len(p) < 2 or np.linalg.norm(p[-1] - p[0]) < 1e-3:
+            # Degenerate piece (shorter than the tolerance): extend 0.1 m along its heading.
+            yaw = float(carla_yaw_to_world(ws[0].transform.rotation.yaw))
+            p = np.array([p[0], p[0] + 0.1 * np.array([math.cos(yaw), math.sin(yaw)])])
+        return p
+
+    def build_lanes(self) -> None:
+        LC = self.carla.LaneChange
+        driving = self.carla.LaneType.Driving
+        for i, k in enumerate(self.keys):
+            ws = self.wps[i]
+            mid = ws[len(ws) // 2]
+            widths = [w.lane_width for w in ws if w.lane_width > 0.05]
+            width = float(np.median(widths)) if widths else 3.5
+            left_ok = mid.lane_change in (LC.Left, LC.Both)
+            right_ok = mid.lane_change in (LC.Right, LC.Both)
+            lane = Lane(
+                points=self._polyline(i),
+                width=width,
+                speed_limit=DEFAULT_SPEED_LIMIT,
+                is_junction=bool(ws[0].is_junction),
+                junction=int(ws[0].junction_id) if ws[0].is_junction else -1,
+                successors=sorted(self.succ[i]),
+                left_marking=_marking(self.carla, mid.left_lane_marking.type, left_ok),
+                right_marking=_marking(self.carla, mid.right_lane_marking.type, right_ok),
+            )
+            for side, ok in (("left", left_ok), ("right", right_ok)):
+                nb = mid.get_left_lane() if side == "left" else mid.get_right_lane()
+                if (ok and nb is not None and nb.lane_type == driving
+                        and (nb.lane_id > 0) == (k[2] > 0) and _key(nb) in self.index):
+                    setattr(lane, side, self.index[_key(nb)])
+            self.lanes.append(lane)
+        # Approach lanes carry the id of the junction they enter (see Lane.junction).
+        for lane in self.lanes:
+            if not lane.is_junction:
+                js = [self.lanes[j].junction for j in lane.successors if self.lanes[j].is_junction]
+                if js:
+                    lane.junction = js[0]
+        self.pred: list[list[int]] = [[] for _ in self.lanes]
+        for i, lane in enumerate(self.lanes):
+            for j in lane.successors:
+                self.pred[j].append(i)
+        self.length = [float(np.linalg.norm(np.diff(l.points, axis=0), axis=1).sum()) for l in self.lanes]
+
+    # ----------------------------------------------------------------- signals
+    def _signal_pieces(self, lm: Any) -> list[int]:
+        """Lane pieces a landmark applies to (its road at its s, every valid driving lane)."""
+        out: list[int] = []
+        for lo, hi in lm.get_lane_validities():
+            for lane_id in range(min(lo, hi), max(lo, hi) + 1):
+                if lane_id == 0:
+                    continue
+                wp = self.m.get_waypoint_xodr(lm.road_id, lane_id, lm.s)
+                if wp is not None and _key(wp) in self.index:
+                    out.append(self.index[_key(wp)])
+        return out
+
+    def _approaches(self, i: int) -> list[int]:
+        """The approach lane(s) whose end carries the stop line for a signal found on piece ``i``."""
+        lanes = self.lanes
+        if lanes[i].is_junction:
+            out, frontier, seen = [], [i], {i}
+            for _ in range(4):  # walk back through chained junction pieces
+                nxt = []
+                for j in frontier:
+                    for p in self.pred[j]:
+                        if p in seen:
+                            continue
+                        seen.add(p)
+                        (nxt if lanes[p].is_junction else out).append(p)
+                frontier = nxt
+                if not frontier:
+                    break
+            return sorted(set(out))
+        dist = 0.0
+        while dist < MAX_APPROACH_SEARCH:
+            succ = lanes[i].successors
+            if any(lanes[j].is_junction for j in succ):
+                return [i]
+            if len(succ) != 1:
+                return []
+            dist += self.length[i]
+            i = succ[0]
+            if lanes[i].is_junction:
+                return []
+        return []
+
+    def _junction_of(self, approach: int) -> int:
+        return self.lanes[approach].junction
+
+    def build_control(self) -> tuple[list[StopLine], list[LightGroup], bool]:
+        m = self.m
+        lights = list(m.get_all_landmarks_of_type(TYPE_TRAFFIC_LIGHT))
+        stops = list(m.get_all_landmarks_of_type(TYPE_STOP))
+        # junction -> head id -> approach lanes
+        heads: dict[int, dict[Any, set[int]]] = defaultdict(lambda: defaultdict(set))
+        derived = not lights and not stops
+        if derived:
+            for a in range(len(self.lanes)):
+                if not self.lanes[a].is_junction and self.lanes[a].junction >= 0:
+                    heads[self.lanes[a].junction][("road", self.keys[a][0])].add(a)
+            heads = {j: h for j, h in heads.items() if len(h) >= 3}
+        else:
+            for lm in lights:
+                for piece in self._signal_pieces(lm):
+                    for a in self._approaches(piece):
+                        if self._junction_of(a) >= 0:
+                            heads[self._junction_of(a)][("light", lm.id)].add(a)
+
+        stop_lines: list[StopLine] = []
+        groups: list[LightGroup] = []
+        controlled: set[int] = set()
+        for j in sorted(heads):
+            hj = heads[j]
+            heading = {h: _axial_mean(_end_heading(self.lanes[a].points) for a in lanes) for h, lanes in hj.items()}
+            phase = _cluster_axes(heading)
+            n_ph = max(phase.values()) + 1
+            gid = {p: len(groups) + p for p in range(n_ph)}
+            groups.extend(LightGroup(junction=j, phase=p, num_phases=n_ph) for p in range(n_ph))
+            for h in sorted(hj, key=str):
+                for a in sorted(hj[h]):
+                    if a not in controlled:
+                        controlled.add(a)
+                        stop_lines.append(StopLine(lane=a, control=CONTROL_LIGHT, light_group=gid[phase[h]]))
+        for lm in stops:
+            for piece in self._signal_pieces(lm):
+                for a in self._approaches(piece):
+                    if a not in controlled:
+                        controlled.add(a)
+                        stop_lines.append(StopLine(lane=a, control=CONTROL_STOP))
+        return stop_lines, groups, derived
+
+    def assign_speed_limits(self) -> np.ndarray:
+        """Set every lane's speed limit from 274 signs; return the signs as [Z, 3] (x, y, m/s).
+
+        A piece carrying signs gets the limit that governs the longest stretch of it (from each sign to the next
+        one or the piece end); the last sign passed on it propagates downstream, to the nearest (Dijkstra over
+        lane lengths) successors that carry no sign themselves. Lanes no sign reaches keep the town default.
+        """
+        signs = list(self.m.get_all_landmarks_of_type(TYPE_SPEED_LIMIT))
+        on_piece: dict[int, list[tuple[float, float]]] = defaultdict(list)  # piece -> [(progress, limit)]
+        sign_rows = []
+        for lm in signs:
+            limit = float(lm.value) / 3.6  # CARLA reads the value as km/h, whatever the unit attribute says
+            if not limit > 0:
+                continue
+            x, y = _xy(lm.transform.location)
+            sign_rows.append((x, y, limit))
+            for i in self._signal_pieces(lm):
+                # progress along the driving direction: lanes with id < 0 run with s, lanes with id > 0 against it
+                on_piece[i].append((lm.s if self.keys[i][2] < 0 else -lm.s, limit))
+        outgoing: dict[int, float] = {}
+        for i, lst in on_piece.items():
+            lst.sort()
+            ws = self.wps[i]
+            end = ws[-1].s if self.keys[i][2] < 0 else -ws[-1].s
+            cover: dict[float, float] = defaultdict(float)
+            for (p, lim), nxt in zip(lst, [q for q, _ in lst[1:]] + [max(end, lst[-1][0])]):
+                cover[lim] += nxt - p
+            self.lanes[i].speed_limit = max(cover, key=lambda lim: (cover[lim], -lim))
+            outgoing[i] = lst[-1][1]
+        dist = [math.inf] * len(self.lanes)
+        heap: list[tuple[float, int, float]] = []
+        for i, limit in outgoing.items():
+            dist[i] = 0.0
+            heap.append((0.0, i, limit))
+        heapq.heapify(heap)
+        while heap:
+            d, i, limit = heapq.heappop(heap)
+            if d > dist[i]:
+                continue
+            for j in self.lanes[i].successors:
+                nd = d + self.length[i]
+                if nd < dist[j]:
+                    dist[j] = nd
+                    self.lanes[j].speed_limit = limit
+                    heapq.heappush(heap, (nd, j, limit))
+        return np.array(sign_rows, np.float32).reshape(-1, 3)
+
+    # ----------------------------------------------------------------- drawn-only features
+    def build_shoulders(self) -> list[tuple[np.ndarray, float]]:
+        """Shoulder/Parking lanes next to driving pieces -> (polyline, median width); each lane piece once."""
+        LT = self.carla.LaneType
+        wanted = (LT.Shoulder, LT.Parking)
+        samples: dict[Key, tuple[list[tuple[float, float]], list[float]]] = {}
+        owner: dict[Key, tuple[int, str]] = {}  # the (driving piece, side) that samples a shoulder piece
+        for i, ws in enumerate(self.wps):
+            for side in ("left", "right"):
+                for w in ws:
+                    nb = w.get_left_lane() if side == "left" else w.get_right_lane()
+                    if nb is None or nb.lane_type not in wanted:
+                        continue
+                    k = _key(nb)
+                    if owner.setdefault(k, (i, side)) != (i, side):
+                        continue
+                    pts, widths = samples.setdefault(k, ([], []))
+                    pts.append(_xy(nb.transform.location))
+                    widths.append(nb.lane_width)
+        out = []
+        for pts, widths in samples.values():
+            p = np.array(pts, np.float64)
+            w = float(np.median(widths))
+            if len(p) >= 2 and w > 0.05 and np.linalg.norm(np.diff(p, axis=0), axis=1).max() > 1e-3:
+                out.append((p, w))
+        return out
+
+
+def load_opendrive(path: str | Path, name: str | None = None, spacing: float = 1.0) -> LaneGraph:
+    """Parse an OpenDRIVE file with ``carla.Map`` (offline) and compile it to a :class:`LaneGraph`.
+
+    ``name`` defaults to the file stem; ``spacing`` is the waypoint sampling step (metres) and the graph's
+    maximum point spacing. Raises :class:`MapError` naming the file for missing, malformed or empty maps.
+    """
+    path = Path(path)
+    if not spacing > 0:
+        raise MapError(f"OpenDRIVE file {path}: spacing must be > 0, got {spacing}")
+    text = _validate_xodr(path)
+    name = name or path.stem
+    carla = _import_carla()
+    try:
+        cmap = carla.Map(name, text)
+    except Exception as e:  # noqa: BLE001 - the binding raises RuntimeError and friends
+        raise MapError(f"OpenDRIVE file {path}: carla could not parse it ({e})") from e
+    b = _Builder(carla, cmap, name, spacing)
+    b.collect_pieces()
+    if not b.keys:
+        raise MapError(f"OpenDRIVE file {path}: carla found no driving lanes in it")
+    b.sample_pieces()
+    b.build_lanes()
+    stop_lines, groups, derived = b.build_control()
+    speed_signs = b.assign_speed_limits()
+    shoulders = b.build_shoulders()
+    crosswalks = _crosswalk_quads(list(cmap.get_crosswalks()))
+    meta = {
+        "source": "opendrive",
+        "file": str(path),
+        "loader_version": LOADER_VERSION,
+        "spacing": spacing,
+        "derived_control": derived,
+        "frame": "right-handed; (x, y)_ours = (x, -y)_carla",
+    }
+    try:
+        return LaneGraph.build(name, b.lanes, stop_lines, groups, crosswalks=crosswalks, shoulders=shoulders,
+                               speed_signs=speed_signs, max_spacing=spacing, meta=meta)
+    except MapError as e:
+        raise MapError(f"OpenDRIVE file {path}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- towns + cache
+def default_maps_dir() -> Path | None:
+    """``$CARL_CARLA_MAPS``, else ``<repo>/../shared/data/carla/maps`` if it exists, else None."""
+    env = os.environ.get("CARL_CARLA_MAPS")
+    if env:
+        return Path(env)
+    repo_root = Path(__file__).resolve().parents[2]
+    d = repo_root.parent / "shared" / "data" / "carla" / "maps"
+    return d if d.is_dir() else None
+
+
+def available_towns(maps_dir: str | Path | None = None) -> list[str]:
+    """Town names (file stems of ``*.xodr``) found in ``maps_dir`` (default: :func:`default_maps_dir`)."""
+    d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
+    if d is None or not d.is_dir():
+        return []
+    return sorted(p.stem for p in d.glob("*.xodr"))
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("CARL_MAP_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "carl" / "maps"
+
+
+def load_town(town: str, maps_dir: str | Path | None = None, cache_dir: str | Path | None = None) -> LaneGraph:
+    """Load a CARLA town (``"Town01"`` ...) as a :class:`LaneGraph`, via a compiled ``.npz`` cache.
+
+    ``maps_dir`` defaults to :func:`default_maps_dir`. The cache lives in ``cache_dir`` (default
+    ``$CARL_MAP_CACHE`` or ``~/.cache/carl/maps``) as ``<town>-<sha256(xodr)[:16]>.npz``; a cache written by
+    another format or loader version, or an unreadable one, is rebuilt.
+    """
+    d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
+    if d is None or not d.is_dir():
+        raise MapError(f"CARLA maps directory {d if d is not None else '(none)'} not found; set CARL_CARLA_MAPS "
+                       "or pass maps_dir")
+    path = d / f"{town}.xodr"
+    if not path.is_file():
+        raise MapError(f"unknown town '{town}': no {path.name} in {d}; available: "
+                       f"{', '.join(available_towns(d)) or '(none)'}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    cache = Path(cache_dir) if cache_dir is not None else _cache_dir()
+    cache_file = cache / f"{town}-{digest}.npz"
+    if cache_file.exists():
+        try:
+            g = LaneGraph.load(cache_file)
+            if g.meta.get("loader_version") == LOADER_VERSION:
+                return g
+        except MapError:
+            pass  # stale or corrupt cache: rebuild below
+    g = load_opendrive(path, name=town)
+    g.meta["sha256_16"] = digest
+    try:
+        g.save(cache_file)
+    except OSError:
+        pass  # a read-only cache location only costs the rebuild next time
+    return g
