@@ -129,8 +129,8 @@ def _import_carla() -> Any:
     return carla
 
 
-def _validate_xodr(path: Path) -> str:
-    """Read ``path`` and check it is an OpenDRIVE document with roads; return its text. Raises MapError."""
+def _validate_xodr(path: Path) -> tuple[str, ET.Element]:
+    """Read ``path`` and check it is an OpenDRIVE document with roads; return (text, root). Raises MapError."""
     if not path.is_file():
         raise MapError(f"OpenDRIVE file {path} does not exist")
     try:
@@ -145,7 +145,21 @@ def _validate_xodr(path: Path) -> str:
         raise MapError(f"OpenDRIVE file {path} has root element <{root.tag}>, expected <OpenDRIVE>")
     if root.find("road") is None:
         raise MapError(f"OpenDRIVE file {path} has no <road> elements")
-    return text
+    return text, root
+
+
+def _section_bounds(root: ET.Element) -> dict[tuple[int, int], tuple[float, float]]:
+    """(road id, section index) -> (s_start, s_end) of every lane section, from the XML."""
+    out: dict[tuple[int, int], tuple[float, float]] = {}
+    for road in root.iter("road"):
+        try:
+            rid, length = int(road.get("id", "")), float(road.get("length", "nan"))
+            starts = sorted(float(ls.get("s", "0")) for ls in road.iter("laneSection"))
+        except ValueError:
+            continue
+        for k, s0 in enumerate(starts):
+            out[(rid, k)] = (s0, starts[k + 1] if k + 1 < len(starts) else length)
+    return out
 
 
 def _key(wp: Any) -> Key:
@@ -227,6 +241,11 @@ def _min_area_rect(points: np.ndarray) -> np.ndarray:
     return best
 
 
+def _cross2(a: np.ndarray, b: np.ndarray) -> float:
+    """z component of the cross product of two 2-D vectors."""
+    return float(a[0] * b[1] - a[1] * b[0])
+
+
 def _convex_hull(p: np.ndarray) -> np.ndarray:
     """Andrew's monotone chain; counter-clockwise hull without repeated end point."""
     p = p[np.lexsort((p[:, 1], p[:, 0]))]
@@ -234,7 +253,7 @@ def _convex_hull(p: np.ndarray) -> np.ndarray:
     def half(pts: np.ndarray) -> list[np.ndarray]:
         h: list[np.ndarray] = []
         for q in pts:
-            while len(h) >= 2 and np.cross(h[-1] - h[-2], q - h[-2]) <= 0:
+            while len(h) >= 2 and _cross2(h[-1] - h[-2], q - h[-2]) <= 0:
                 h.pop()
             h.append(q)
         return h
@@ -278,8 +297,10 @@ def _crosswalk_quads(locations: list[Any]) -> np.ndarray:
 class _Builder:
     """Walks one ``carla.Map`` and collects lanes, control, shoulders, crosswalks and speed signs."""
 
-    def __init__(self, carla: Any, cmap: Any, name: str, spacing: float):
+    def __init__(self, carla: Any, cmap: Any, name: str, spacing: float,
+                 sections: dict[tuple[int, int], tuple[float, float]] | None = None):
         self.carla, self.m, self.name, self.spacing = carla, cmap, name, spacing
+        self.sections = sections or {}
         self.keys: list[Key] = []
         self.index: dict[Key, int] = {}
         self.entry: list[Any] = []  # entry waypoint per piece
@@ -305,15 +326,24 @@ class _Builder:
             self._add_piece(b)
         for a, b in topo:
             self.succ[self.index[_key(a)]].add(self.index[_key(b)])
-        # Lanes without any topology edge (isolated roads): recover their start from generate_waypoints.
-        seen: set[Key] = set(self.index)
+        # Lanes without any topology edge (isolated roads): start them at their section's start in driving
+        # direction (from the XML; previous_until_lane_start can crash the binding on such lanes).
+        first: dict[Key, Any] = {}
         for wp in self.m.generate_waypoints(self.spacing):
             k = _key(wp)
-            if k in seen:
+            if k in self.index:
                 continue
-            seen.add(k)
-            back = wp.previous_until_lane_start(self.spacing)
-            self._add_piece(back[-1] if back else wp)
+            prog = wp.s if k[2] < 0 else -wp.s
+            if k not in first or prog < (first[k].s if k[2] < 0 else -first[k].s):
+                first[k] = wp
+        for k, wp in first.items():
+            bounds = self.sections.get((k[0], k[1]))
+            if bounds is not None:
+                s = bounds[0] + 1e-6 if k[2] < 0 else bounds[1] - 1e-6
+                start = self.m.get_waypoint_xodr(k[0], k[2], s)
+                if start is not None and _key(start) == k:
+                    wp = start
+            self._add_piece(wp)
 
     def sample_pieces(self) -> None:
         for i, wp in enumerate(self.entry):
@@ -551,14 +581,14 @@ def load_opendrive(path: str | Path, name: str | None = None, spacing: float = 1
     path = Path(path)
     if not spacing > 0:
         raise MapError(f"OpenDRIVE file {path}: spacing must be > 0, got {spacing}")
-    text = _validate_xodr(path)
+    text, root = _validate_xodr(path)
     name = name or path.stem
     carla = _import_carla()
     try:
         cmap = carla.Map(name, text)
     except Exception as e:  # noqa: BLE001 - the binding raises RuntimeError and friends
         raise MapError(f"OpenDRIVE file {path}: carla could not parse it ({e})") from e
-    b = _Builder(carla, cmap, name, spacing)
+    b = _Builder(carla, cmap, name, spacing, _section_bounds(root))
     b.collect_pieces()
     if not b.keys:
         raise MapError(f"OpenDRIVE file {path}: carla found no driving lanes in it")
