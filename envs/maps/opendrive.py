@@ -452,10 +452,8 @@ class _Builder:
                 return []
         return []
 
-    def _junction_of(self, approach: int) -> int:
-        return self.lanes[approach].junction
-
     def build_control(self) -> tuple[list[StopLine], list[LightGroup], bool]:
+        """Stop lines and light groups from 1000001/206 landmarks, or derived ones; returns (.., .., derived)."""
         m = self.m
         lights = list(m.get_all_landmarks_of_type(TYPE_TRAFFIC_LIGHT))
         stops = list(m.get_all_landmarks_of_type(TYPE_STOP))
@@ -471,8 +469,8 @@ class _Builder:
             for lm in lights:
                 for piece in self._signal_pieces(lm):
                     for a in self._approaches(piece):
-                        if self._junction_of(a) >= 0:
-                            heads[self._junction_of(a)][("light", lm.id)].add(a)
+                        if self.lanes[a].junction >= 0:  # the junction the approach lane enters
+                            heads[self.lanes[a].junction][("light", lm.id)].add(a)
 
         stop_lines: list[StopLine] = []
         groups: list[LightGroup] = []
