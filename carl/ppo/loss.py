@@ -1,0 +1,59 @@
+"""PPO's loss for one (micro-)batch: clipped surrogate, clipped value loss, entropy bonus."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor  # scalar to back-propagate
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    clip_frac: torch.Tensor
+    old_approx_kl: torch.Tensor  # the ratio-based estimator (CleanRL's), for reference
+
+
+def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero mean, unit (Bessel-corrected) std; a single-sample batch is only centred."""
+    if adv.numel() < 2:
+        return adv - adv.mean()
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def ppo_loss(
+    new_log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    new_value: torch.Tensor,
+    old_value: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    clip_coef: float,
+    clip_vloss: bool,
+    vf_coef: float,
+    ent_coef: float,
+) -> LossTerms:
+    """All inputs are ``[N]``; ``advantages`` are already normalised if wanted. Means are over N."""
+    log_ratio = new_log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    with torch.no_grad():
+        old_approx_kl = ((ratio - 1) - log_ratio).mean()
+        clip_frac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)
+    policy_loss = torch.max(pg1, pg2).mean()
+
+    if clip_vloss:
+        v_unclipped = (new_value - returns) ** 2
+        v_clipped = old_value + (new_value - old_value).clamp(-clip_coef, clip_coef)
+        value_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        value_loss = 0.5 * ((new_value - returns) ** 2).mean()
+
+    entropy_mean = entropy.mean()
+    loss = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
+    return LossTerms(loss, policy_loss.detach(), value_loss.detach(), entropy_mean.detach(), clip_frac, old_approx_kl)

@@ -1,0 +1,150 @@
+"""One PPO iteration, CleanRL style: collect a rollout, compute GAE, run the clipped-surrogate update.
+
+Read top to bottom: :meth:`PPOTrainer.collect` fills :class:`RolloutStorage` with ``num_steps`` steps of every
+env (timed as ``env`` and ``inference``), :meth:`PPOTrainer.update` computes advantages and runs
+``update_epochs`` passes of shuffled minibatches (timed as ``update``). Minibatches larger than memory are split
+into ``accumulation_steps`` micro-batches whose gradients are summed before one optimiser step; advantage
+normalisation always uses the statistics of the whole minibatch, so the update does not depend on the split.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import numpy as np
+import torch
+
+from carl.config import PPOConfig
+from carl.logging import EpisodeStats, PhaseTimer
+from carl.policy import CarlPolicy, beta_kl
+from carl.ppo.loss import normalize_advantages, ppo_loss
+from carl.ppo.storage import RolloutStorage
+from envs.api import BatchedEnv
+
+FrameHook = Callable[[dict[str, torch.Tensor], torch.Tensor], None]  # (obs, done) after each env step
+
+
+class PPOTrainer:
+    """Owns the optimiser and the rollout buffer; the policy and env are passed in."""
+
+    def __init__(
+        self,
+        policy: CarlPolicy,
+        env: BatchedEnv,
+        cfg: PPOConfig,
+        timer: PhaseTimer | None = None,
+        bf16: bool = False,
+    ) -> None:
+        self.policy, self.env, self.cfg = policy, env, cfg
+        self.device = env.device
+        self.timer = timer or PhaseTimer()
+        self.autocast = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+        )
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+        self.storage = RolloutStorage(cfg.num_steps, env.num_envs, env.observation_spec, env.action_spec.shape[0], self.device)
+        self.episodes = EpisodeStats()
+        self.next_obs: dict[str, torch.Tensor] | None = None
+
+    # -- learning rate ----------------------------------------------------------------------------------------------
+    def set_learning_rate(self, update: int, num_updates: int) -> float:
+        """CaRL's linear schedule: lr = lr0 * (1 - (update - 1) / num_updates), ``update`` counted from 1."""
+        frac = 1.0 - (update - 1.0) / num_updates if self.cfg.anneal_lr else 1.0
+        lr = frac * self.cfg.learning_rate
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # -- rollout ----------------------------------------------------------------------------------------------------
+    def reset(self, seed: int | None) -> None:
+        self.next_obs = self.env.reset(seed=seed)
+
+    @torch.no_grad()
+    def collect(self, should_stop: Callable[[], bool] = lambda: False, on_step: FrameHook | None = None) -> bool:
+        """Fill the storage with one rollout. Returns False if ``should_stop()`` interrupted it (storage invalid)."""
+        assert self.next_obs is not None, "call reset() first"
+        cfg, st = self.cfg, self.storage
+        self.policy.eval()
+        for t in range(cfg.num_steps):
+            with self.timer.phase("inference"), self.autocast():
+                out = self.policy.act(self.next_obs)
+            st.insert(t, self.next_obs, out.action, out.log_prob, out.value, out.alpha, out.beta)
+
+            with self.timer.phase("env"):
+                res = self.env.step(out.action)
+            done = res.terminated | res.truncated  # CaRL: no bootstrapping through either
+
+            bootstrap = None
+            if cfg.bootstrap_truncation:
+                only_trunc = res.truncated & ~res.terminated
+                if bool(only_trunc.any()):
+                    final_obs = {k: res.info[f"final_obs/{k}"] for k in self.next_obs}
+                    with self.timer.phase("inference"), self.autocast():
+                        bootstrap = self.policy.get_value(final_obs) * only_trunc.float()
+            st.insert_outcome(t, res.reward, done, bootstrap)
+            self.episodes.add(res.info, done)
+            if on_step is not None:
+                on_step(res.obs, done)
+            self.next_obs = res.obs
+            if should_stop():
+                return False
+        return True
+
+    # -- update -----------------------------------------------------------------------------------------------------
+    def update(self) -> dict[str, float]:
+        """GAE, then ``update_epochs`` x minibatches of clipped PPO. Returns the ``losses/...`` metrics."""
+        cfg, st = self.cfg, self.storage
+        with self.timer.phase("update"):
+            with torch.no_grad(), self.autocast():
+                next_value = self.policy.get_value(self.next_obs)
+            st.compute_returns(next_value.float(), cfg.gamma, cfg.gae_lambda)
+            batch = st.flat()
+            metrics = self._optimise(batch)
+            y_pred, y_true = batch["values"], batch["returns"]
+            var_y = torch.var(y_true)
+            metrics["losses/explained_variance"] = float("nan") if var_y == 0 else float(1 - torch.var(y_true - y_pred) / var_y)
+            metrics["charts/discounted_returns"] = float(batch["returns"].mean())
+            metrics["charts/advantages"] = float(batch["advantages"].mean())
+        return metrics
+
+    def _optimise(self, batch: dict) -> dict[str, float]:
+        cfg = self.cfg
+        n = batch["actions"].shape[0]
+        mb, k = cfg.minibatch_size, cfg.accumulation_steps
+        sums: dict[str, float] = {}
+        steps = 0
+        self.policy.train()
+        for _epoch in range(cfg.update_epochs):
+            perm = torch.randperm(n, device=self.device)
+            for start in range(0, n, mb):
+                idx = perm[start : start + mb]
+                adv = batch["advantages"][idx]
+                if cfg.norm_adv:
+                    adv = normalize_advantages(adv)
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = np.zeros(6)
+                for micro, micro_adv in zip(idx.chunk(k), adv.chunk(k)):
+                    weight = micro.numel() / idx.numel()
+                    obs = {key: v[micro] for key, v in batch["obs"].items()}
+                    with self.autocast():
+                        out = self.policy.act(obs, action=batch["actions"][micro])
+                    terms = ppo_loss(
+                        out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
+                        batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef, cfg.ent_coef,
+                    )
+                    (terms.loss * weight).backward()
+                    with torch.no_grad():
+                        kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
+                    stats += weight * np.array([
+                        float(terms.policy_loss), float(terms.value_loss), float(terms.entropy),
+                        float(kl), float(terms.clip_frac), float(terms.old_approx_kl),
+                    ])
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                for name, v in zip(
+                    ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl"), stats
+                ):
+                    sums[name] = sums.get(name, 0.0) + v
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                steps += 1
+        return {f"losses/{name}": float(v) / steps for name, v in sums.items()}
