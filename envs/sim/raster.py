@@ -1,0 +1,314 @@
+"""Batched bird's-eye-view drawing: the simulator's per-tick rendering hot path.
+
+Every function works on a whole batch of environments at once with fixed tensor shapes: no Python loop over
+environments or objects, no host-device synchronisation (no ``.item()``, no data-dependent shapes), so the same code
+runs on CPU and CUDA (and inside CUDA graphs).
+
+BEV frame (CaRL): the image is ego-centric with the ego heading pointing up. The ego centre is the pixel
+``(col, row) = (W // 2, H - 1 - ego_from_bottom)``; pixel centres sit at integer ``(col, row)`` coordinates, rows grow
+downwards (backwards from the ego) and columns grow to the ego's right.
+
+Drawing primitives work on a fixed ``K x K`` pixel patch per object (``K`` from a maximum object size), test every
+patch pixel against the object's shape at once and combine into the canvas with ``scatter_reduce("amax")``, so
+overlapping objects keep the larger value and objects outside the view are dropped (their pixels write 0, which
+``amax`` ignores).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from envs.maps.raster import MapRaster
+
+__all__ = ["BevConfig", "crop_static", "world_to_bev", "draw_boxes", "draw_discs", "draw_segments",
+           "box_fraction_on"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class BevConfig:
+    """Geometry of the BEV image (CaRL: 256 x 256 at 2 px/m, ego 100 px above the bottom edge)."""
+
+    size: int = 256  # H = W
+    ppm: float = 2.0  # pixels per metre
+    ego_from_bottom: int = 100  # ego centre row counted from the bottom edge
+
+    @property
+    def ego_col(self) -> int:
+        return self.size // 2
+
+    @property
+    def ego_row(self) -> int:
+        return self.size - 1 - self.ego_from_bottom
+
+
+# ---------------------------------------------------------------------------------------------------- static map
+def _bev_resolution_layers(raster: MapRaster, layer_ids: tuple[int, ...], ppm: float) -> tuple[Tensor, float]:
+    """The selected layers ``[C, H, W]`` at (or near) the BEV resolution and their pixels per metre.
+
+    When the raster resolution is an integer multiple ``f >= 2`` of ``ppm`` the layers are max-pooled by ``f``: thin
+    features (1-px lane markings) survive the downsampling and the smaller map is friendlier to the cache.
+    """
+    sel = raster.layers[list(layer_ids)]
+    f = raster.ppm / ppm
+    if f >= 2 and abs(f - round(f)) < 1e-6:
+        f = int(round(f))
+        h, w = sel.shape[-2:]
+        hh, ww = -(-h // f) * f, -(-w // f) * f
+        if (hh, ww) != (h, w):
+            sel = torch.nn.functional.pad(sel, (0, ww - w, 0, hh - h))
+        sel = sel.view(len(layer_ids), hh // f, f, ww // f, f).amax(dim=(2, 4))
+        return sel, raster.ppm / f
+    return sel, raster.ppm
+
+
+def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...], ppm: float) -> tuple[Tensor, int, int, float]:
+    """Selected layers with a 1-pixel zero border, channels packed into one machine word per pixel.
+
+    Returns ``(packed [Hp*Wp], bytes_per_word, Wp, map_ppm)``: the uint8 ``[Hp, Wp, P]`` channels-last stack viewed
+    as one ``P``-byte word per pixel (``P`` in 1, 2, 4, 8), so one gather fetches all channels of a pixel.
+    Cached on the raster.
+    """
+    key = ("crop", layer_ids, float(ppm))
+    hit = raster.cache.get(key)
+    if hit is not None:
+        return hit
+    c = len(layer_ids)
+    if c > 8:
+        raise ValueError(f"crop_static takes at most 8 layers per call, got {c}")
+    p = 1 if c == 1 else 2 if c == 2 else 4 if c <= 4 else 8
+    sel, map_ppm = _bev_resolution_layers(raster, layer_ids, ppm)
+    h, w = sel.shape[-2:]
+    buf = torch.zeros(h + 2, w + 2, p, dtype=torch.uint8, device=sel.device)
+    buf[1:-1, 1:-1, :c] = sel.permute(1, 2, 0)
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p]
+    packed = buf.view(dtype).reshape(-1)
+    raster.cache[key] = (packed, p, w + 2, map_ppm)
+    return raster.cache[key]
+
+
+def _union_mask(raster: MapRaster, layer_ids: tuple[int, ...]) -> Tensor:
+    """Flat uint8 ``[Hp*Wp]`` mask (1 where any of the layers is non-zero) with a 1-pixel zero border. Cached."""
+    key = ("union", layer_ids)
+    hit = raster.cache.get(key)
+    if hit is not None:
+        return hit
+    sel = raster.layers[list(layer_ids)]
+    h, w = sel.shape[-2:]
+    buf = torch.zeros(h + 2, w + 2, dtype=torch.uint8, device=sel.device)
+    buf[1:-1, 1:-1] = (sel > 0).any(0)
+    mask = buf.view(-1)
+    raster.cache[key] = mask
+    return mask
+
+
+def _bev_sample_index(origin: tuple[float, float], map_ppm: float, hp: int, wp: int, ego_xy: Tensor,
+                      ego_yaw: Tensor, cfg: BevConfig) -> Tensor:
+    """Flat index into a 1-pixel-padded map (``[B, H, W]`` int64) of the map pixel under each BEV pixel centre.
+
+    The affine map is separable (``map = A(row) + B(col)``), so only two broadcast adds touch ``B*H*W`` elements
+    per coordinate; out-of-map samples are clamped onto the zero border.
+    """
+    dev = ego_xy.device
+    n = cfg.size
+    cos, sin = torch.cos(ego_yaw).float(), torch.sin(ego_yaw).float()
+    pm = float(map_ppm)
+    ar = torch.arange(n, device=dev, dtype=torch.float32)
+    fwd = (cfg.ego_row - ar) / cfg.ppm  # [H] metres ahead of the ego for each row
+    left = (cfg.ego_col - ar) / cfg.ppm  # [W] metres to the left for each column
+    # padded-map pixel index = floor((world - origin) * pm) + 1
+    base_c = (ego_xy[:, 0].float() - origin[0]) * pm + 1.0
+    base_r = (ego_xy[:, 1].float() - origin[1]) * pm + 1.0
+    # world = ego + fwd * (cos, sin) + left * (-sin, cos)
+    col_r = fwd[None] * (pm * cos)[:, None] + base_c[:, None]  # [B, H]
+    col_c = left[None] * (-pm * sin)[:, None]  # [B, W]
+    row_r = fwd[None] * (pm * sin)[:, None] + base_r[:, None]
+    row_c = left[None] * (pm * cos)[:, None]
+    mc = (col_r[:, :, None] + col_c[:, None, :]).clamp_(0, wp - 1)
+    mr = (row_r[:, :, None] + row_c[:, None, :]).clamp_(0, hp - 1)
+    # after clamping to >= 0, truncation is floor
+    return mr.to(torch.int64).mul_(wp).add_(mc.to(torch.int64))
+
+
+# CPU cache blocking for crop_static: environments per chunk so that the per-pixel temporaries (~30 bytes per
+# BEV pixel) stay in L2. On CUDA the whole batch is one chunk.
+_CPU_CROP_CHUNK_PIXELS = 1 << 16
+
+
+def crop_static(raster: MapRaster, layer_ids: list[int], ego_xy: Tensor, ego_yaw: Tensor,
+                cfg: BevConfig = BevConfig()) -> Tensor:
+    """Ego-centric crops of static map layers: uint8 ``[B, len(layer_ids), H, W]`` (nearest sampling).
+
+    ``ego_xy`` ``[B, 2]`` world metres, ``ego_yaw`` ``[B]`` radians; at most 8 layers per call. Pixels outside the
+    map are 0. When the raster resolution is an integer multiple of ``cfg.ppm`` the map is first max-pooled to the
+    BEV resolution (once, cached), which keeps 1-px markings visible. Implemented as one index gather of all
+    requested channels packed into a machine word per map pixel (measured ~5x faster than ``F.grid_sample`` on a
+    float copy of the map); on CPU the batch is processed in fixed-size chunks so temporaries stay in cache.
+    """
+    packed, p, wp, map_ppm = _padded_layers(raster, tuple(int(i) for i in layer_ids), cfg.ppm)
+    hp = packed.numel() // wp
+    b, n, c = ego_xy.shape[0], cfg.size, len(layer_ids)
+    out = torch.empty(b, c, n, n, dtype=torch.uint8, device=ego_xy.device)
+    step = b if ego_xy.device.type != "cpu" else max(1, _CPU_CROP_CHUNK_PIXELS // (n * n))
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        idx = _bev_sample_index(raster.origin, map_ppm, hp, wp, ego_xy[s:e], ego_yaw[s:e], cfg)
+        words = torch.gather(packed, 0, idx.view(-1))
+        out[s:e].copy_(words.view(torch.uint8).view(e - s, n, n, p)[..., :c].permute(0, 3, 1, 2))
+    return out
+
+
+def box_fraction_on(raster: MapRaster, layer_ids: list[int], center: Tensor, yaw: Tensor, half_extent: Tensor,
+                    samples: tuple[int, int] = (4, 8)) -> Tensor:
+    """Fraction (float32 ``[B]``) of a regular grid of points inside each box that lie on any of ``layer_ids``.
+
+    ``center`` ``[B, 2]``, ``yaw`` ``[B]``, ``half_extent`` ``[B, 2]`` (half length along the heading, half width),
+    ``samples = (across the width, along the length)``; points sit at the centres of a regular grid of cells.
+    Used for CaRL's off-road check (terminate when > 95 % of the ego box is off road and shoulder).
+    """
+    mask = _union_mask(raster, tuple(int(i) for i in layer_ids))
+    dev = center.device
+    nw, nl = samples
+    u = (torch.arange(nl, device=dev, dtype=torch.float32) + 0.5) / nl * 2 - 1  # along length, [-1, 1]
+    v = (torch.arange(nw, device=dev, dtype=torch.float32) + 0.5) / nw * 2 - 1  # across width
+    hl, hw = half_extent[:, 0:1].float(), half_extent[:, 1:2].float()
+    cos, sin = torch.cos(yaw).float()[:, None], torch.sin(yaw).float()[:, None]
+    lu = (u[None] * hl)[:, :, None]  # [B, nl, 1]
+    lv = (v[None] * hw)[:, None, :]  # [B, 1, nw]
+    x = center[:, 0:1, None].float() + lu * cos[..., None] - lv * sin[..., None]
+    y = center[:, 1:2, None].float() + lu * sin[..., None] + lv * cos[..., None]
+    pm = float(raster.ppm)
+    hp, wp = raster.height + 2, raster.width + 2
+    mc = ((x - raster.origin[0]) * pm + 1.0).clamp_(0, wp - 1).to(torch.int64)
+    mr = ((y - raster.origin[1]) * pm + 1.0).clamp_(0, hp - 1).to(torch.int64)
+    on = mask[(mr * wp + mc).view(center.shape[0], -1)]
+    return on.float().mean(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- dynamic objects
+def world_to_bev(xy: Tensor, ego_xy: Tensor, ego_yaw: Tensor, cfg: BevConfig = BevConfig()) -> Tensor:
+    """World points ``[B, N, 2]`` -> float BEV pixel coordinates ``(col, row)`` ``[B, N, 2]``."""
+    cos, sin = torch.cos(ego_yaw)[:, None], torch.sin(ego_yaw)[:, None]
+    d = xy - ego_xy[:, None, :]
+    fwd = cos * d[..., 0] + sin * d[..., 1]
+    left = -sin * d[..., 0] + cos * d[..., 1]
+    return torch.stack((cfg.ego_col - left * cfg.ppm, cfg.ego_row - fwd * cfg.ppm), dim=-1)
+
+
+def _flat_view(canvas: Tensor) -> tuple[Tensor, tuple[int, int, int]]:
+    """A 1-D view over the storage spanned by ``canvas`` [B, H, W] (may be a channel slice of a [B, C, H, W]
+    tensor), plus the element strides to address it."""
+    if canvas.dim() != 3 or canvas.dtype != torch.uint8:
+        raise ValueError(f"canvas must be uint8 [B, H, W], got {canvas.dtype} {tuple(canvas.shape)}")
+    s = canvas.stride()
+    span = sum((d - 1) * st for d, st in zip(canvas.shape, s)) + 1
+    return canvas.as_strided((span,), (1,), canvas.storage_offset()), (s[0], s[1], s[2])
+
+
+def _value_tensor(value: Tensor | int, like: Tensor) -> Tensor:
+    """``value`` as a uint8 tensor broadcastable to ``like`` [B, N]."""
+    if not isinstance(value, Tensor):
+        return torch.full((1, 1), int(value), dtype=torch.uint8, device=like.device)
+    value = value.to(device=like.device, dtype=torch.uint8)
+    return value.reshape(1, 1) if value.dim() == 0 else value
+
+
+def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw_px: Tensor, value: Tensor | int,
+                   valid: Tensor, radius_px: float) -> None:
+    """Draw oriented boxes given in BEV pixel space.
+
+    ``c_px`` ``[B, N, 2]`` centre (col, row); ``axis`` ``[B, N, 2]`` unit heading in pixel space; ``hl_px``/``hw_px``
+    ``[B, N]`` half length/width in pixels; boxes are clipped to a patch of radius ``radius_px`` around the centre.
+    """
+    flat_canvas, (s0, s1, s2) = _flat_view(canvas)
+    bsz, h, w = canvas.shape
+    dev = canvas.device
+    r = int(math.ceil(radius_px))
+    k = 2 * r + 1
+    off = torch.arange(-r, r + 1, device=dev, dtype=torch.float32)  # [K]
+    base = torch.round(c_px)  # [B, N, 2]
+    pc = base[..., 0:1] + off  # [B, N, K] patch columns
+    pr = base[..., 1:2] + off  # [B, N, K] patch rows
+    dc = pc - c_px[..., 0:1]
+    dr = pr - c_px[..., 1:2]
+    ac, ar = axis[..., 0:1], axis[..., 1:2]
+    # along-heading and lateral coordinates, separable in (row, col)
+    lx = (dr * ar)[..., :, None] + (dc * ac)[..., None, :]  # [B, N, K(row), K(col)]
+    ly = (dr * ac)[..., :, None] - (dc * ar)[..., None, :]
+    inside = (lx.abs_() <= hl_px[..., None, None]) & (ly.abs_() <= hw_px[..., None, None])
+    in_c = (pc >= 0) & (pc <= w - 1)
+    in_r = (pr >= 0) & (pr <= h - 1)
+    inside &= (in_r[..., :, None] & in_c[..., None, :]) & valid[..., None, None]
+    bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
+    ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + bidx  # [B, N, K]
+    ic = pc.clamp(0, w - 1).to(torch.int64) * s2
+    flat = ir[..., :, None] + ic[..., None, :]
+    val = _value_tensor(value, valid)
+    vals = torch.where(inside, val[..., None, None], torch.zeros((), dtype=torch.uint8, device=dev))
+    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.reshape(-1), "amax")
+
+
+def draw_boxes(canvas: Tensor, center: Tensor, yaw: Tensor, half_extent: Tensor, value: Tensor | int,
+               valid: Tensor, ego_xy: Tensor, ego_yaw: Tensor, cfg: BevConfig = BevConfig(),
+               max_extent_m: float = 3.0) -> None:
+    """Draw filled oriented boxes into ``canvas`` uint8 ``[B, H, W]`` in place (overlaps keep the max value).
+
+    ``center`` ``[B, N, 2]`` and ``yaw`` ``[B, N]`` in the world frame; ``half_extent`` ``[B, N, 2]`` metres (half
+    length along the heading, half width); ``value`` uint8 ``[B, N]`` or a scalar; ``valid`` bool ``[B, N]``. A pixel is
+    drawn when its centre lies in the box. ``max_extent_m`` bounds the half extents (the patch covers the box's
+    circumscribed circle ``sqrt(2) * max_extent_m``); parts of larger boxes beyond it are clipped. ``canvas`` may be a
+    channel slice ``obs[:, k]`` of a contiguous ``[B, C, H, W]`` tensor.
+    """
+    c_px = world_to_bev(center.float(), ego_xy.float(), ego_yaw.float(), cfg)
+    rel = yaw.float() - ego_yaw.float()[:, None]
+    # heading in pixel space: forward is -row, left is -col
+    axis = torch.stack((-torch.sin(rel), -torch.cos(rel)), dim=-1)
+    he = half_extent.float() * cfg.ppm
+    draw_px = max(max_extent_m * cfg.ppm * math.sqrt(2.0), 0.5)
+    _draw_px_boxes(canvas, c_px, axis, he[..., 0], he[..., 1], value, valid, draw_px)
+
+
+def draw_segments(canvas: Tensor, p0: Tensor, p1: Tensor, thickness_m: float, value: Tensor | int, valid: Tensor,
+                  ego_xy: Tensor, ego_yaw: Tensor, cfg: BevConfig = BevConfig(), max_length_m: float = 10.0) -> None:
+    """Draw segments ``p0 -> p1`` (world ``[B, N, 2]``) as thin boxes, at least 1 px wide, into ``canvas`` in place.
+
+    Segments longer than ``max_length_m`` are clipped around their midpoint.
+    """
+    a = world_to_bev(p0.float(), ego_xy.float(), ego_yaw.float(), cfg)
+    b = world_to_bev(p1.float(), ego_xy.float(), ego_yaw.float(), cfg)
+    d = b - a
+    length = d.norm(dim=-1)
+    axis = d / length.clamp_min(1e-6)[..., None]
+    axis = torch.where((length > 1e-6)[..., None], axis, torch.tensor([0.0, -1.0], device=a.device))
+    hw = max(0.5 * thickness_m * cfg.ppm, 0.5)
+    hl = 0.5 * length + 1e-3
+    radius = math.hypot(0.5 * max_length_m * cfg.ppm, hw)
+    _draw_px_boxes(canvas, 0.5 * (a + b), axis, hl, torch.full_like(hl, hw), value, valid, radius)
+
+
+def draw_discs(canvas: Tensor, center: Tensor, radius_px: int, value: Tensor | int, valid: Tensor,
+               ego_xy: Tensor, ego_yaw: Tensor, cfg: BevConfig = BevConfig()) -> None:
+    """Draw filled discs of ``radius_px`` pixels centred on the pixel nearest each world point ``[B, N, 2]``.
+
+    A pixel at integer offset ``(dx, dy)`` is in the disc when ``dx^2 + dy^2 <= r^2 + r`` (a round, symmetric disc
+    similar to OpenCV's filled circles).
+    """
+    flat_canvas, (s0, s1, s2) = _flat_view(canvas)
+    bsz, h, w = canvas.shape
+    dev = canvas.device
+    r = int(radius_px)
+    off = torch.arange(-r, r + 1, device=dev, dtype=torch.int64)
+    disc = (off[:, None] ** 2 + off[None, :] ** 2) <= r * r + r  # [K, K]
+    base = torch.round(world_to_bev(center.float(), ego_xy.float(), ego_yaw.float(), cfg)).to(torch.int64)
+    pc = base[..., 0:1] + off  # [B, N, K]
+    pr = base[..., 1:2] + off
+    inside = disc & ((pr >= 0) & (pr < h))[..., :, None] & ((pc >= 0) & (pc < w))[..., None, :]
+    inside &= valid[..., None, None]
+    bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
+    flat = (pr.clamp(0, h - 1) * s1 + bidx)[..., :, None] + (pc.clamp(0, w - 1) * s2)[..., None, :]
+    val = _value_tensor(value, valid)
+    vals = torch.where(inside, val[..., None, None], torch.zeros((), dtype=torch.uint8, device=dev))
+    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.reshape(-1), "amax")
