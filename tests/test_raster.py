@@ -43,7 +43,7 @@ def raster(graph: LaneGraph) -> MapRaster:
 
 def _at(raster: MapRaster, x: float, y: float, layer: int | None = None) -> int:
     """Value of a layer (or the seg_id when ``layer`` is None) at a world point."""
-    c, r = raster.world_to_pixel(torch.tensor([x, y])).round().long().tolist()
+    c, r = raster.world_to_pixel(torch.tensor([x, y])).floor().long().tolist()
     return int(raster.seg_id[r, c] if layer is None else raster.layers[layer, r, c])
 
 
@@ -78,8 +78,8 @@ def test_markings_and_other_layers(raster: MapRaster) -> None:
     assert _at(raster, 50, -1.75, LAYER_MARKINGS) == 255
     assert _at(raster, 50, 5.25, LAYER_MARKINGS) == 255
     # the shared boundary is broken: value 127, with gaps
-    row = int(raster.world_to_pixel(torch.tensor([0.0, 1.75])).round()[1])
-    c0, c1 = raster.world_to_pixel(torch.tensor([[5.0, 0.0], [95.0, 0.0]])).round()[:, 0].long().tolist()
+    row = int(raster.world_to_pixel(torch.tensor([0.0, 1.75])).floor()[1])
+    c0, c1 = raster.world_to_pixel(torch.tensor([[5.0, 0.0], [95.0, 0.0]])).floor()[:, 0].long().tolist()
     line = raster.layers[LAYER_MARKINGS, row - 1:row + 2, c0:c1].amax(0)
     assert int(line.max()) == 127 and 0.3 < float((line > 0).float().mean()) < 0.7
     assert _at(raster, 50, 0.0, LAYER_MARKINGS) == 0 and _at(raster, 105, 1.75, LAYER_MARKINGS) == 0
@@ -246,3 +246,12 @@ def test_cuda_matches_cpu(raster: MapRaster) -> None:
     draw_boxes(cg, center.cuda(), *[a.cuda() if isinstance(a, torch.Tensor) else a for a in args], ego.cuda(),
                yaw.cuda())
     assert float((canvas == cg.cpu()).float().mean()) > 0.999
+
+
+def test_crop_static_into_out(raster: MapRaster) -> None:
+    ego, yaw = torch.tensor([[20.0, 1.0], [40.0, 2.0]]), torch.tensor([0.1, 2.0])
+    ref = crop_static(raster, [LAYER_ROAD, LAYER_MARKINGS, LAYER_SHOULDER], ego, yaw, CFG)
+    obs = torch.zeros(2, 10, 256, 256, dtype=torch.uint8)
+    got = crop_static(raster, [LAYER_ROAD, LAYER_MARKINGS, LAYER_SHOULDER], ego, yaw, CFG, out=obs,
+                      out_channels=[0, 2, 9])
+    assert got is obs and torch.equal(obs[:, [0, 2, 9]], ref) and int(obs[:, [1, 3, 4, 5, 6, 7, 8]].sum()) == 0

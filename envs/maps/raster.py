@@ -86,17 +86,18 @@ class MapRaster:
         return MapRaster(self.origin, self.ppm, self.layers.to(device), self.seg_id.to(device))
 
     def world_to_pixel(self, xy: torch.Tensor) -> torch.Tensor:
-        """World ``(..., 2)`` metres -> float pixel coordinates ``(col, row)``.
+        """World ``(..., 2)`` metres -> float pixel coordinates ``(col, row)`` = ``(xy - origin) * ppm``.
 
-        Pixel centres sit at integer coordinates, so the pixel containing a point is ``round()`` of the result.
+        Pixel ``(col, row)`` covers ``[col, col + 1) x [row, row + 1)`` in these coordinates, so the pixel containing
+        a point is ``floor()`` of the result and pixel centres sit at ``index + 0.5``.
         """
         o = torch.tensor(self.origin, dtype=xy.dtype, device=xy.device)
-        return (xy - o) * self.ppm - 0.5
+        return (xy - o) * self.ppm
 
     def pixel_to_world(self, cr: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`world_to_pixel`."""
+        """Inverse of :meth:`world_to_pixel` (the centre of pixel ``(c, r)`` is ``pixel_to_world((c + .5, r + .5))``)."""
         o = torch.tensor(self.origin, dtype=cr.dtype, device=cr.device)
-        return (cr + 0.5) / self.ppm + o
+        return cr / self.ppm + o
 
 
 # ---------------------------------------------------------------------------------------------------- primitives
