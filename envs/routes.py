@@ -15,7 +15,10 @@ Planning graph: every lane is sampled at nodes about ``NODE_SPACING`` metres apa
 ends). Edges go to the next node on the lane (cost: distance), from a lane's end to the start of each successor
 (cost: the gap between them, normally ~0) and, off junctions, to the same-direction left/right neighbour about
 ``LANE_CHANGE_LENGTH`` metres further on (cost: ``lane_change_cost`` + distance, plus ``SOLID_LINE_PENALTY`` when
-the crossed marking is solid, so legal changes are preferred but a route never fails for a marking alone).
+the crossed marking is solid, so legal changes are preferred but a route never fails for a marking alone). Where a
+non-junction lane has no neighbour link on a side, a parallel same-direction lane one lane width over still gets
+lane-change edges at ``SOLID_LINE_PENALTY`` (loaders drop links across solid lines, while CARLA's lane-change
+permissions vary along a lane; the leaderboard's planner changes lanes there).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ SNAP_RADIUS = 5.0  # m: a keypoint farther than this from every lane centre is a
 SNAP_TOLERANCE = 1.0  # m: lanes within (nearest + this) of a keypoint are all candidates for it
 JUNCTION_SNAP_TOLERANCE = 3.0  # m: the same for keypoints inside junctions (overlapping lanes)
 MAX_CANDIDATES = 8  # nearest candidate lanes kept per keypoint
-OFF_LANE_COST = 25.0  # cost (m) of passing a keypoint on a parallel lane instead of its own
+OFF_LANE_COST = 25.0  # cost (m) of passing a keypoint on a parallel lane (plus 2 x lane_change_cost)
 ALIGN_DEGREES = 30.0  # parallel-lane test for OFF_LANE_COST candidates
 ALIGN_COS_STRICT = math.cos(math.radians(15.0))  # parallel-lane test for unlinked lane changes
 NODE_SPACING = 5.0  # m: planning-graph node spacing along lanes
@@ -424,12 +427,12 @@ class _Place:
     s: float
 
 
-def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, name: str, k: int
-                ) -> list[tuple[_Place, float]]:
+def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, name: str, k: int,
+                off_lane_cost: float = OFF_LANE_COST) -> list[tuple[_Place, float]]:
     """Lane positions a keypoint may snap to, each with a penalty cost.
 
     Penalty 0: the nearest lane and any lane nearly as near (more slack inside junctions, where lanes overlap).
-    Penalty ``OFF_LANE_COST``: other lanes within SNAP_RADIUS running the same way (heading within
+    Penalty ``off_lane_cost``: other lanes within SNAP_RADIUS running the same way (heading within
     ``ALIGN_DEGREES``) - the route may pass the keypoint one lane over when reaching its exact lane would need a
     detour (CARLA's planner changes lanes instantly; ours needs ~10 m, and the graph may lack a neighbour link
     across a solid line). Raises RouteError when no lane centre is within SNAP_RADIUS.
@@ -449,7 +452,7 @@ def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, name: 
         else:
             h = idx.heading(lane, s)
             if ref is not None and h is not None and float(ref @ h) >= math.cos(math.radians(ALIGN_DEGREES)):
-                out.append((_Place(lane, s), OFF_LANE_COST))
+                out.append((_Place(lane, s), off_lane_cost))
         if len(out) == MAX_CANDIDATES:
             break
     return out
@@ -553,7 +556,9 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
     """Connect ``keypoints`` [K, 2] (our frame) along the lane graph, like the leaderboard's interpolation.
 
     Every keypoint snaps to lane centres within SNAP_RADIUS (the nearest lane, plus lanes nearly as near as
-    candidates; inside junctions, where lanes overlap, with more slack). Consecutive keypoints are connected by
+    candidates; inside junctions, where lanes overlap, with more slack; parallel same-direction lanes are further
+    candidates at a penalty of ``OFF_LANE_COST + 2 * lane_change_cost``, for keypoints whose exact lane is only
+    reachable by a detour). Consecutive keypoints are connected by
     the cheapest path (lane pieces: cost = length; lane changes to left/right neighbours: cost =
     ``lane_change_cost`` + distance), and the candidate per keypoint is chosen to minimise the whole route's cost
     (dynamic programming over keypoints). A keypoint inside a junction that cannot be reached is skipped, as
@@ -565,7 +570,9 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
         raise RouteError(f"route '{name}': need >= 2 finite (x, y) keypoints, got an array of shape {kps.shape}")
     kps = kps[:, :2]
     idx = _index(graph)
-    cands = [_candidates(idx, graph.is_junction, p, name, k) for k, p in enumerate(kps)]
+    # passing a keypoint one lane over must cost more than the lane change that would avoid it
+    off_lane_cost = OFF_LANE_COST + 2.0 * lane_change_cost
+    cands = [_candidates(idx, graph.is_junction, p, name, k, off_lane_cost) for k, p in enumerate(kps)]
     # layer state: per candidate of the last kept keypoint, (cost so far, segments so far)
     layer: list[tuple[float, list[Segment]] | None] = [(pen, []) for _, pen in cands[0]]
     layer_k = 0
