@@ -146,11 +146,20 @@ def test_neighbours_symmetric_and_same_direction(town: LaneGraph) -> None:
                 assert (cross > 0) == (nb == gr.left[i])
 
 
-def test_three_lanes_per_direction() -> None:
-    g = generate_town(ProceduralConfig(rows=3, cols=3, lanes_per_direction=(3, 3)), seed=0)
+@pytest.mark.parametrize("kind,seed", [("grid", 0), ("irregular", 0), ("irregular", 1)])
+def test_three_lanes_per_direction(kind: str, seed: int) -> None:
+    g = generate_town(ProceduralConfig(kind=kind, rows=3, cols=3, lanes_per_direction=(3, 3)), seed=seed)
     middle = (g.left >= 0) & (g.right >= 0)
     assert middle.any()
     assert all(len(s) > 0 for s in _succ(g)) and _strongly_connected(_driving(g))
+
+
+def test_irregular_at_minimum_block() -> None:
+    """Near the shortest allowed block the jitter shrinks instead of the layout failing."""
+    cfg = ProceduralConfig(kind="irregular", block=49.0, lanes_per_direction=(3, 3))
+    for seed in range(3):
+        g = generate_town(cfg, seed)
+        assert _strongly_connected(_driving(g))
 
 
 def test_traffic_control(town: LaneGraph, irregular_towns: list[LaneGraph]) -> None:

@@ -57,7 +57,7 @@ JUNCTION_EXTRA = 5.0  # m added to the junction radius: crosswalk band and turn 
 CROSSWALK_GAP = 1.0  # m between the stop line and the crosswalk, and between the crosswalk and the junction core
 CROSSWALK_DEPTH = 3.0  # m along the road
 MIN_ROAD_LENGTH = 15.0  # m of straight road needed between two junction areas (speed sign, stop line, queueing)
-JITTER = 0.2  # irregular: max node displacement as a fraction of block
+JITTER = 0.2  # irregular: max node displacement as a fraction of block (less for short blocks: _jitter)
 DROP_FRACTION = 0.25  # irregular: fraction of roads we try to remove
 STRAIGHT_MAX_TURN = math.radians(60.0)  # a movement turning less than this may be the straight one
 MAX_LAYOUT_TRIES = 50
@@ -82,9 +82,21 @@ class ProceduralConfig:
 
 # ---------------------------------------------------------------------------------------------------- validation
 def _min_block(cfg: ProceduralConfig) -> float:
-    """Shortest ``block`` that fits two right-angle junction areas plus a minimal road at the widest lane count."""
+    """Shortest ``block`` that fits two right-angle junction areas plus a minimal road at the widest lane count.
+
+    Irregular towns shrink their jitter towards this bound instead of needing more room (see :func:`_jitter`).
+    """
     w = cfg.lanes_per_direction[1] * cfg.lane_width + cfg.shoulder_width
     return 2.0 * (w + JUNCTION_EXTRA) + MIN_ROAD_LENGTH
+
+
+def _jitter(cfg: ProceduralConfig) -> float:
+    """Max node displacement (fraction of block) for irregular towns: ``JITTER``, reduced for short blocks.
+
+    Two jittered neighbours can end up ``(1 - 2 * jitter) * block`` apart, which must still fit two junction areas
+    and a road; without this the layout retries would fail for blocks near the minimum.
+    """
+    return min(JITTER, max(0.0, 0.5 * (1.0 - _min_block(cfg) / cfg.block)))
 
 
 def validate_config(cfg: ProceduralConfig) -> None:
@@ -410,7 +422,7 @@ def _town(cfg: ProceduralConfig, seed: int) -> _Town:
 
     for _ in range(MAX_LAYOUT_TRIES):
         ang = rng.uniform(0, 2 * math.pi, num_nodes)
-        rad = cfg.block * JITTER * np.sqrt(rng.random(num_nodes))
+        rad = cfg.block * _jitter(cfg) * np.sqrt(rng.random(num_nodes))
         pos = base + np.stack([np.cos(ang), np.sin(ang)], 1) * rad[:, None]
         keep = list(range(len(all_edges)))
         deg = np.zeros(num_nodes, int)
