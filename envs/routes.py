@@ -48,7 +48,7 @@ MIN_LANE_CHANGE_LENGTH = 4.0  # m: shortest transition used where lanes are shor
 SOLID_LINE_PENALTY = 100.0  # extra cost (m) for a lane change across a solid marking
 ROUTE_SPACING = 1.0  # m: target spacing of route points
 BACKTRACK_TOLERANCE = 1.0  # m: a keypoint this little behind the previous one on the same lane counts as reached
-SEARCH_SLACK = 1000.0  # m: a leg search stops this much beyond the cheapest target found
+SEARCH_SLACK = 500.0  # m: a leg search stops this much beyond the cheapest target found
 
 # Segment kinds used to describe a route before densification.
 _SEG_LANE, _SEG_CHANGE = 0, 1
@@ -197,15 +197,23 @@ class _GraphIndex:
         n_lanes = g.num_lanes
         node_s: list[np.ndarray] = []
         node_off = [0]
+        node_xy: list[np.ndarray] = []
+        node_dir: list[np.ndarray] = []  # unit tangents, NaN on degenerate lanes
         for lane in range(n_lanes):
             length = float(self.lane_len[lane])
             k = max(1, int(math.ceil(length / NODE_SPACING - 1e-9)))
             s = np.linspace(0.0, length, k + 1)
             node_s.append(s)
             node_off.append(node_off[-1] + len(s))
+            node_xy.append(self.lane_xy(lane, s))
+            tangent = self.lane_xy(lane, s + 0.5) - self.lane_xy(lane, s - 0.5)
+            norm = np.linalg.norm(tangent, axis=1, keepdims=True)
+            node_dir.append(np.where(norm > 1e-6, tangent / np.maximum(norm, 1e-6), np.nan))
         self.node_off = np.asarray(node_off, np.int64)
         self.node_s = np.concatenate(node_s)
         self.node_lane = np.repeat(np.arange(n_lanes), np.diff(self.node_off))
+        self.node_xy = np.concatenate(node_xy)
+        self.node_dir = np.concatenate(node_dir)
         n = len(self.node_s)
         # adjacency: per node, list of (target node, cost, kind, aux) where aux is the projected start arc length
         # on the target lane of a lane change
@@ -242,7 +250,7 @@ class _GraphIndex:
         side by side or too short). Its cost excludes ``lane_change_cost``, which is added per query."""
         lane = int(self.node_lane[i])
         s_a = float(self.node_s[i])
-        s_b, dist = self.project_on_lane(nb, self.lane_xy(lane, s_a))
+        s_b, dist = self.project_on_lane(nb, self.node_xy[i])
         if dist > 3.0 * width:
             return None
         room = min(LANE_CHANGE_LENGTH, float(self.lane_len[lane]) - s_a, float(self.lane_len[nb]) - s_b)
@@ -263,11 +271,10 @@ class _GraphIndex:
         running the same way one lane width over (loaders drop links across solid lines, and CARLA's lane-change
         flags vary along a lane). Costs SOLID_LINE_PENALTY extra, so it is only used to avoid long detours."""
         lane = int(self.node_lane[i])
-        s_a = float(self.node_s[i])
-        h = self.heading(lane, s_a)
-        if h is None:
+        h = self.node_dir[i]
+        if not np.isfinite(h).all():
             return None
-        probe = self.lane_xy(lane, s_a) + side * width * np.array([-h[1], h[0]])
+        probe = self.node_xy[i] + side * width * np.array([-h[1], h[0]])
         for nb, (s_b, _) in self.lanes_near(probe, 0.35 * width).items():
             hb = self.heading(nb, s_b)
             if nb != lane and not is_junction[nb] and hb is not None and float(h @ hb) > ALIGN_COS_STRICT:
