@@ -19,9 +19,9 @@ Design decisions (documented here because downstream code relies on them):
   *straight* (lane k -> lane k; when the lane count changes, surplus lanes merge into, or fan out from, the
   outermost lane, so a straight movement links every lane of both roads); other roads to the left get a left
   turn from the leftmost incoming lane to the leftmost outgoing lane, roads to the right a right turn from the
-  rightmost to the rightmost; U-turns are never generated. Two fill-in rules keep the graph free of dead ends: an incoming lane without any movement
-  (e.g. the middle lane of a T-junction stem) turns into the same-side lane of the nearest left/right road, and an
-  outgoing lane nothing reaches (e.g. extra lanes when a road widens) is fed from the same-side lane of the most
+  rightmost to the rightmost; U-turns are never generated. Two fill-in rules keep the graph free of dead ends:
+  an incoming lane without any movement (e.g. the middle lane of a T-junction stem) turns into the same-side lane
+  of the nearest left/right road, and an outgoing lane nothing reaches (e.g. extra lanes when a road widens) is fed from the same-side lane of the most
   straight approach. Parallel same-side mappings do not cross each other.
 * **Connectivity** is verified on the driving graph of successors *plus* lane changes (``left``/``right`` on road
   lanes), the graph the route planner searches. Successors alone cannot be strongly connected under the turn rules
