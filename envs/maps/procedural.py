@@ -20,14 +20,18 @@ Design decisions (documented here because downstream code relies on them):
   outermost lane, so a straight movement links every lane of both roads); other roads to the left get a left
   turn from the leftmost incoming lane to the leftmost outgoing lane, roads to the right a right turn from the
   rightmost to the rightmost; U-turns are never generated. Two fill-in rules keep the graph free of dead ends:
-  an incoming lane without any movement (e.g. the middle lane of a T-junction stem) turns into the same-side lane
-  of the nearest left/right road, and an outgoing lane nothing reaches (e.g. extra lanes when a road widens) is fed from the same-side lane of the most
-  straight approach. Parallel same-side mappings do not cross each other.
+  an incoming lane without any movement (e.g. the middle lane of a T-junction stem) turns into the same-side
+  lane of the nearest left/right road, and an outgoing lane nothing reaches is fed from the same-side lane of
+  the most straight approach. Parallel same-side mappings do not cross each other.
 * **Connectivity** is verified on the driving graph of successors *plus* lane changes (``left``/``right`` on road
-  lanes), the graph the route planner searches. Successors alone cannot be strongly connected under the turn rules
-  above: on a multi-lane road the inner lane is fed only by left turns and the outer only by right turns, so
-  clockwise and counter-clockwise circulation would never meet without a lane change. Every lane still has a
-  successor (no dead ends), and with one lane per direction successors alone are strongly connected.
+  lanes), the graph the route planner searches. Successors alone are in general not strongly connected under the
+  turn rules above: on a multi-lane road the inner lane is fed only by left turns and the outer only by right
+  turns, so clockwise and counter-clockwise circulation may never meet without a lane change (a 2x3 grid is an
+  example). Every lane still has a successor (no dead ends), and with one lane per direction successors alone are
+  strongly connected.
+* **Irregular layouts** jitter nodes by up to ``JITTER * block`` (less when ``block`` is near its minimum), drop
+  up to ``DROP_FRACTION`` of the roads without creating degree-1 nodes or disconnecting the town, restore dropped
+  roads (latest first) until the lane graph is strongly connected, and redraw the jitter if a road is too short.
 * **Shoulders** are stored as the centre line of the shoulder strip (offset ``n * lane_width + shoulder / 2`` to
   the right of the road axis) with the shoulder width, one per road direction.
 * Node ids are junction ids; in :func:`generate_world` they are offset per town so they stay unique.
