@@ -88,7 +88,7 @@ class _GraphIndex:
     """Per-graph lookup structures (built once per graph and cached): per-lane arc lengths, a grid hash of lane
     points for nearest-lane queries and the planning graph."""
 
-    def __init__(self, graph: LaneGraph, cell: float = SNAP_RADIUS) -> None:
+    def __init__(self, graph: LaneGraph, cell: float = SNAP_RADIUS + 1.5) -> None:
         self.offsets = graph.offsets  # no reference to the graph itself: the cache must not keep it alive
         pts = graph.points.astype(np.float64)
         offs = graph.offsets
@@ -149,7 +149,7 @@ class _GraphIndex:
         return float(s[k]), float(d[k])
 
     def nearby_points(self, p: np.ndarray, radius: float) -> np.ndarray:
-        """Indices of lane points within ``radius`` (<= grid cell) of ``p``, unsorted."""
+        """Indices of lane points near ``p`` (within ``radius`` + 1.5 m; ``radius`` <= cell - 1.5), unsorted."""
         c = np.floor(np.asarray(p, np.float64) / self.cell).astype(np.int64) - self._origin
         found = []
         for dx in (-1, 0, 1):
@@ -167,7 +167,8 @@ class _GraphIndex:
         if not found:
             return np.zeros(0, np.int64)
         idx = np.concatenate(found)
-        near = np.linalg.norm(self.pts[idx] - p, axis=1) <= radius + self.cell  # coarse; exact test by caller
+        # a segment within ``radius`` has an end within radius + its length (<= ~1 m); the 3x3 cells cover that
+        near = np.linalg.norm(self.pts[idx] - p, axis=1) <= radius + 1.5
         return idx[near]
 
     def lanes_near(self, p: np.ndarray, radius: float) -> dict[int, tuple[float, float]]:
