@@ -65,14 +65,24 @@ def _bev_resolution_layers(raster: MapRaster, layer_ids: tuple[int, ...], ppm: f
     return sel, raster.ppm
 
 
-def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...], ppm: float) -> tuple[Tensor, int, int, float]:
-    """Selected layers with a 1-pixel zero border, channels packed into one machine word per pixel.
+def _view_radius_px(cfg: BevConfig, map_ppm: float) -> int:
+    """Upper bound, in map pixels, on the distance from the ego to any sampled point of the BEV."""
+    dc = max(cfg.ego_col, cfg.size - 1 - cfg.ego_col) + 1
+    dr = max(cfg.ego_row, cfg.size - 1 - cfg.ego_row) + 1
+    return int(math.ceil(math.hypot(dc, dr) / cfg.ppm * map_ppm)) + 2
 
-    Returns ``(packed [Hp*Wp], bytes_per_word, Wp, map_ppm)``: the uint8 ``[Hp, Wp, P]`` channels-last stack viewed
-    as one ``P``-byte word per pixel (``P`` in 1, 2, 4, 8), so one gather fetches all channels of a pixel.
-    Cached on the raster.
+
+def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...], cfg: BevConfig) -> tuple[Tensor, int, int, float, int]:
+    """Selected layers with a zero border of ``2 * R`` pixels, channels packed into one machine word per pixel.
+
+    ``R`` bounds the BEV's reach from the ego (:func:`_view_radius_px`). Returns ``(packed [Hp*Wp], bytes_per_word,
+    Wp, map_ppm, pad)``: the uint8 ``[Hp, Wp, P]`` channels-last stack viewed as one ``P``-byte word per pixel (``P``
+    in 1, 2, 4, 8), so one gather fetches all channels of a pixel. Cached on the raster.
+
+    The wide border makes per-pixel bounds checks unnecessary: the ego's map position is clamped to at most ``R``
+    outside the map (a per-environment operation), and an ego further out sees nothing but border either way.
     """
-    key = ("crop", layer_ids, float(ppm))
+    key = ("crop", layer_ids, cfg)
     hit = raster.cache.get(key)
     if hit is not None:
         return hit
@@ -80,13 +90,14 @@ def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...], ppm: float) ->
     if c > 8:
         raise ValueError(f"crop_static takes at most 8 layers per call, got {c}")
     p = 1 if c == 1 else 2 if c == 2 else 4 if c <= 4 else 8
-    sel, map_ppm = _bev_resolution_layers(raster, layer_ids, ppm)
+    sel, map_ppm = _bev_resolution_layers(raster, layer_ids, cfg.ppm)
+    pad = 2 * _view_radius_px(cfg, map_ppm)
     h, w = sel.shape[-2:]
-    buf = torch.zeros(h + 2, w + 2, p, dtype=torch.uint8, device=sel.device)
-    buf[1:-1, 1:-1, :c] = sel.permute(1, 2, 0)
+    buf = torch.zeros(h + 2 * pad, w + 2 * pad, p, dtype=torch.uint8, device=sel.device)
+    buf[pad:pad + h, pad:pad + w, :c] = sel.permute(1, 2, 0)
     dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p]
     packed = buf.view(dtype).reshape(-1)
-    raster.cache[key] = (packed, p, w + 2, map_ppm)
+    raster.cache[key] = (packed, p, w + 2 * pad, map_ppm, pad)
     return raster.cache[key]
 
 
@@ -105,12 +116,13 @@ def _union_mask(raster: MapRaster, layer_ids: tuple[int, ...]) -> Tensor:
     return mask
 
 
-def _bev_sample_index(origin: tuple[float, float], map_ppm: float, hp: int, wp: int, ego_xy: Tensor,
-                      ego_yaw: Tensor, cfg: BevConfig) -> Tensor:
-    """Flat index into a 1-pixel-padded map (``[B, H, W]`` int64) of the map pixel under each BEV pixel centre.
+def _bev_affine_terms(origin: tuple[float, float], map_ppm: float, pad: int, hp: int, wp: int, ego_xy: Tensor,
+                      ego_yaw: Tensor, cfg: BevConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Separable parts of the BEV -> padded-map affine map: ``(col_r [B,H], col_c [B,W], row_r [B,H], row_c [B,W])``.
 
-    The affine map is separable (``map = A(row) + B(col)``), so only two broadcast adds touch ``B*H*W`` elements
-    per coordinate; out-of-map samples are clamped onto the zero border.
+    The padded-map column under BEV pixel ``(i, j)`` is ``col_r[:, i] + col_c[:, j]`` (likewise for the row); all
+    such coordinates are >= 0 thanks to the map's wide zero border, so truncation is floor and no bounds checks are
+    needed. The ego's map position is clamped to at most ``pad / 2`` pixels outside the map.
     """
     dev = ego_xy.device
     n = cfg.size
@@ -119,18 +131,16 @@ def _bev_sample_index(origin: tuple[float, float], map_ppm: float, hp: int, wp: 
     ar = torch.arange(n, device=dev, dtype=torch.float32)
     fwd = (cfg.ego_row - ar) / cfg.ppm  # [H] metres ahead of the ego for each row
     left = (cfg.ego_col - ar) / cfg.ppm  # [W] metres to the left for each column
-    # padded-map pixel index = floor((world - origin) * pm) + 1
-    base_c = (ego_xy[:, 0].float() - origin[0]) * pm + 1.0
-    base_r = (ego_xy[:, 1].float() - origin[1]) * pm + 1.0
+    # padded-map pixel index = floor((world - origin) * pm) + pad
+    reach = pad // 2
+    base_c = ((ego_xy[:, 0].float() - origin[0]) * pm).clamp(-reach, wp - 2 * pad + reach) + pad
+    base_r = ((ego_xy[:, 1].float() - origin[1]) * pm).clamp(-reach, hp - 2 * pad + reach) + pad
     # world = ego + fwd * (cos, sin) + left * (-sin, cos)
-    col_r = fwd[None] * (pm * cos)[:, None] + base_c[:, None]  # [B, H]
-    col_c = left[None] * (-pm * sin)[:, None]  # [B, W]
+    col_r = fwd[None] * (pm * cos)[:, None] + base_c[:, None]
+    col_c = left[None] * (-pm * sin)[:, None]
     row_r = fwd[None] * (pm * sin)[:, None] + base_r[:, None]
     row_c = left[None] * (pm * cos)[:, None]
-    mc = (col_r[:, :, None] + col_c[:, None, :]).clamp_(0, wp - 1)
-    mr = (row_r[:, :, None] + row_c[:, None, :]).clamp_(0, hp - 1)
-    # after clamping to >= 0, truncation is floor
-    return mr.to(torch.int64).mul_(wp).add_(mc.to(torch.int64))
+    return col_r, col_c, row_r, row_c
 
 
 # CPU cache blocking for crop_static: environments per chunk so that the per-pixel temporaries (~30 bytes per
@@ -154,7 +164,7 @@ def crop_static(raster: MapRaster, layer_ids: list[int], ego_xy: Tensor, ego_yaw
     several times faster than ``F.grid_sample`` on a float copy of the map); on CPU the batch is processed in
     fixed-size chunks of environments so per-pixel temporaries stay in cache (on CUDA: one chunk).
     """
-    packed, p, wp, map_ppm = _padded_layers(raster, tuple(int(i) for i in layer_ids), cfg.ppm)
+    packed, p, wp, map_ppm, pad = _padded_layers(raster, tuple(int(i) for i in layer_ids), cfg)
     hp = packed.numel() // wp
     b, n, c = ego_xy.shape[0], cfg.size, len(layer_ids)
     if out is None:
@@ -164,10 +174,13 @@ def crop_static(raster: MapRaster, layer_ids: list[int], ego_xy: Tensor, ego_yaw
         raise ValueError("crop_static: out needs out_channels with one channel per layer id")
     contiguous_run = out_channels == list(range(out_channels[0], out_channels[0] + c))
     step = b if ego_xy.device.type != "cpu" else max(1, _CPU_CROP_CHUNK_PIXELS // (n * n))
+    col_r, col_c, row_r, row_c = _bev_affine_terms(raster.origin, map_ppm, pad, hp, wp, ego_xy, ego_yaw, cfg)
     for s in range(0, b, step):
         e = min(b, s + step)
-        idx = _bev_sample_index(raster.origin, map_ppm, hp, wp, ego_xy[s:e], ego_yaw[s:e], cfg)
-        words = torch.gather(packed, 0, idx.view(-1))
+        # flat index (int32) of the map pixel under every BEV pixel of this chunk
+        mc = (col_r[s:e, :, None] + col_c[s:e, None, :]).to(torch.int32)
+        mr = (row_r[s:e, :, None] + row_c[s:e, None, :]).to(torch.int32)
+        words = torch.index_select(packed, 0, torch.add(mc, mr, alpha=wp).view(-1))
         pix = words.view(torch.uint8).view(e - s, n, n, p)[..., :c].permute(0, 3, 1, 2)
         if contiguous_run:
             out[s:e, out_channels[0]:out_channels[0] + c].copy_(pix)
@@ -243,7 +256,6 @@ def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw
     bsz, h, w = canvas.shape
     dev = canvas.device
     r = int(math.ceil(radius_px))
-    k = 2 * r + 1
     off = torch.arange(-r, r + 1, device=dev, dtype=torch.float32)  # [K]
     base = torch.round(c_px)  # [B, N, 2]
     pc = base[..., 0:1] + off  # [B, N, K] patch columns
@@ -251,20 +263,23 @@ def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw
     dc = pc - c_px[..., 0:1]
     dr = pr - c_px[..., 1:2]
     ac, ar = axis[..., 0:1], axis[..., 1:2]
+    # Pixels outside the canvas get a large along-heading offset (folded into the separable row/col terms) and
+    # invalid boxes a negative half length, so a single test per pixel decides everything.
+    far = 1e6
+    pen_c = ((pc < 0) | (pc > w - 1)).float() * far
+    pen_r = ((pr < 0) | (pr > h - 1)).float() * far
+    hl = torch.where(valid, hl_px, torch.full_like(hl_px, -1.0))
     # along-heading and lateral coordinates, separable in (row, col)
-    lx = (dr * ar)[..., :, None] + (dc * ac)[..., None, :]  # [B, N, K(row), K(col)]
+    lx = (dr * ar + pen_r)[..., :, None] + (dc * ac + pen_c)[..., None, :]  # [B, N, K(row), K(col)]
     ly = (dr * ac)[..., :, None] - (dc * ar)[..., None, :]
-    inside = (lx.abs_() <= hl_px[..., None, None]) & (ly.abs_() <= hw_px[..., None, None])
-    in_c = (pc >= 0) & (pc <= w - 1)
-    in_r = (pr >= 0) & (pr <= h - 1)
-    inside &= (in_r[..., :, None] & in_c[..., None, :]) & valid[..., None, None]
+    inside = (lx.abs_() <= hl[..., None, None]) & (ly.abs_() <= hw_px[..., None, None])
     bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
     ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + bidx  # [B, N, K]
     ic = pc.clamp(0, w - 1).to(torch.int64) * s2
     flat = ir[..., :, None] + ic[..., None, :]
-    val = _value_tensor(value, valid)
-    vals = torch.where(inside, val[..., None, None], torch.zeros((), dtype=torch.uint8, device=dev))
-    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.reshape(-1), "amax")
+    # bool -> uint8 view times the value: much faster on CPU than a broadcasting torch.where on uint8
+    vals = inside.view(torch.uint8) * _value_tensor(value, valid)[..., None, None]
+    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
 
 
 def draw_boxes(canvas: Tensor, center: Tensor, yaw: Tensor, half_extent: Tensor, value: Tensor | int,
@@ -321,10 +336,10 @@ def draw_discs(canvas: Tensor, center: Tensor, radius_px: int, value: Tensor | i
     base = torch.round(world_to_bev(center.float(), ego_xy.float(), ego_yaw.float(), cfg)).to(torch.int64)
     pc = base[..., 0:1] + off  # [B, N, K]
     pr = base[..., 1:2] + off
-    inside = disc & ((pr >= 0) & (pr < h))[..., :, None] & ((pc >= 0) & (pc < w))[..., None, :]
-    inside &= valid[..., None, None]
+    in_r = ((pr >= 0) & (pr < h) & valid[..., None]).view(torch.uint8)
+    in_c = ((pc >= 0) & (pc < w)).view(torch.uint8)
+    inside = (in_r[..., :, None] * in_c[..., None, :]) * disc.view(torch.uint8)
     bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
     flat = (pr.clamp(0, h - 1) * s1 + bidx)[..., :, None] + (pc.clamp(0, w - 1) * s2)[..., None, :]
-    val = _value_tensor(value, valid)
-    vals = torch.where(inside, val[..., None, None], torch.zeros((), dtype=torch.uint8, device=dev))
-    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.reshape(-1), "amax")
+    vals = inside * _value_tensor(value, valid)[..., None, None]
+    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
