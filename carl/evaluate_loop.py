@@ -111,7 +111,7 @@ def random_policy(env: BatchedEnv) -> PolicyFn:
 
 
 def expert_factory(backend: str) -> PolicyFactory | None:
-    """The backend's rule-based expert, if it ships one (hook: ``envs.<backend>.expert.make_expert(env)``).
+    """The backend's rule-based expert, if it ships one (hook: ``envs.<backend>.expert.make_expert(env)`` or ``Expert(env)``).
 
     Returns None when the module or the function is absent, so callers just skip the expert column.
     """
@@ -119,7 +119,7 @@ def expert_factory(backend: str) -> PolicyFactory | None:
         module = importlib.import_module(f"envs.{backend}.expert")
     except ImportError:
         return None
-    for name in ("make_expert", "expert_policy", "ExpertPolicy"):
+    for name in ("make_expert", "Expert", "expert_policy", "ExpertPolicy"):
         fn = getattr(module, name, None)
         if callable(fn):
             return fn  # type: ignore[return-value]
