@@ -206,6 +206,14 @@ def test_draw_into_channel_slice_and_primitives() -> None:
                   ego, eyaw, cfg, max_length_m=10.0)
     on = torch.nonzero(canvas[0])
     assert int(on[:, 1].unique().numel()) == 1 and 9 <= on.shape[0] <= 12  # 1 px wide, 5 m = 10 px long
+    # a 3 px thick line 5 m to the left, and a diagonal one without gaps
+    canvas.zero_()
+    draw_segments(canvas, torch.zeros(2, 1, 2), torch.tensor([[[0.0, 5.0]], [[4.0, 4.0]]]), 1.5, 255, valid,
+                  ego, eyaw, cfg, max_length_m=10.0)
+    on = torch.nonzero(canvas[0])
+    assert int(on[:, 0].unique().numel()) == 3 and 30 <= on.shape[0] <= 36
+    rows = torch.nonzero(canvas[1])[:, 0]
+    assert int(rows.unique().numel()) == int(rows.max() - rows.min()) + 1 >= 11
 
 
 def test_box_fraction_on(raster: MapRaster) -> None:

@@ -155,7 +155,7 @@ def _draw_capsules(canvas: torch.Tensor, p0: torch.Tensor, p1: torch.Tensor, rad
     """Max-combine ``value[j]`` (uint8) into ``canvas`` [H, W] on the pixels of capsule segment ``j``."""
     flat_canvas = canvas.view(-1)
     for s, flat, _, inside in _capsule_patches(p0, p1, radius, t_lo, t_hi, tuple(canvas.shape), origin, ppm):
-        val = torch.where(inside, value[s:s + flat.shape[0], None], torch.zeros((), dtype=torch.uint8))
+        val = inside.view(torch.uint8) * value[s:s + flat.shape[0], None]  # faster than torch.where on uint8
         flat_canvas.scatter_reduce_(0, flat.reshape(-1), val.reshape(-1), "amax")
 
 
@@ -188,7 +188,7 @@ def _draw_convex_quads(canvas: torch.Tensor, quads: torch.Tensor, value: torch.T
         inside = ((cross * sign[s:e, None, None]) >= 0).all(1)
         inside &= (col >= 0) & (col < w) & (row >= 0) & (row < h)
         flat = row.clamp(0, h - 1) * w + col.clamp(0, w - 1)
-        val = torch.where(inside, value[s:e, None], torch.zeros((), dtype=torch.uint8))
+        val = inside.view(torch.uint8) * value[s:e, None]
         flat_canvas.scatter_reduce_(0, flat.reshape(-1), val.reshape(-1), "amax")
 
 
@@ -246,6 +246,7 @@ def compile_raster(graph: LaneGraph, ppm: float = 4.0) -> MapRaster:
     lane_t = torch.from_numpy(lane)
     half_w = torch.from_numpy(graph.width.astype(np.float32))[lane_t] * 0.5
     junc = torch.from_numpy(graph.is_junction.astype(bool))[lane_t]
+    junc_u8 = junc.to(torch.uint8)
     p0, p1 = pts[i0_t], pts[i0_t + 1]
     # seg_id ends are as flat as the road's, but with the lateral margin (t limits scale with the segment only)
     seg_len = (p1 - p0).norm(dim=-1).clamp_min(1e-6)
@@ -261,9 +262,9 @@ def compile_raster(graph: LaneGraph, ppm: float = 4.0) -> MapRaster:
     for s, flat, dist, inside in _capsule_patches(p0, p1, radius, t_lo_seg, t_hi_seg, (h, w), origin, ppm):
         m = flat.shape[0]
         on_lane = inside & (dist <= half_w[s:s + m, None])
-        v = torch.where(on_lane, 255, 0).to(torch.uint8)
+        v = on_lane.view(torch.uint8) * 255
         road.scatter_reduce_(0, flat.reshape(-1), v.reshape(-1), "amax")
-        vj = torch.where(junc[s:s + m, None], v, torch.zeros((), dtype=torch.uint8))
+        vj = v * junc_u8[s:s + m, None]
         jmap.scatter_reduce_(0, flat.reshape(-1), vj.reshape(-1), "amax")
         mm = (dist * 1000.0).clamp(max=2 ** 30).to(torch.int64)
         k = (junc[s:s + m, None].to(torch.int64) << 62) | (mm << 32) | i0_t[s:s + m, None]
