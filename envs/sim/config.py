@@ -1,0 +1,109 @@
+"""Configuration of the built-in simulator: plain dataclasses, validated once with actionable errors."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.maps.procedural import ProceduralConfig
+from envs.reward import RewardConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key, the value and the fix."""
+
+
+@dataclass
+class SimConfig:
+    """Everything the simulator needs. Defaults: a small procedural world with light traffic."""
+
+    # --- map and routes
+    map: str = "procedural"  # "procedural", a CARLA town ("Town01"...), or a path to .xodr / lane-graph .npz
+    procedural: ProceduralConfig = field(default_factory=ProceduralConfig)
+    town_seeds: tuple[int, ...] = (0, 1, 2, 3)  # procedural towns used for training
+    eval_town_seeds: tuple[int, ...] = (1000, 1001)  # held-out towns for route_split="eval"
+    route_split: str = "train"  # "train" (random routes, shuffled) or "eval" (fixed held-out routes)
+    route_file: str | None = None  # Leaderboard route XML: its routes replace random routes
+    route_length: tuple[float, float] = (150.0, 400.0)
+    num_routes: int = 512  # size of the random route bank
+    map_ppm: float = 4.0  # resolution of the map raster (off-road, lane lookups, BEV source)
+    cache_dir: str | None = None  # compiled map cache; default ~/.cache/carl/maps
+    # --- actors (maximum per environment; padded tensors)
+    traffic: bool = True
+    num_vehicles: int = 12
+    num_pedestrians: int = 4
+    num_statics: int = 2
+    # --- observation
+    bev: bool = True
+    bev_size: int = 128
+    bev_ppm: float = 2.0
+    bev_ego_from_bottom: int = 50
+    route_points_drawn: int = 150
+    keep_final_obs: bool = False
+    # --- dynamics and timing
+    dt: float = 0.1
+    max_steer: float = 0.6  # rad, front wheel angle at |steer| = 1
+    wheelbase: float = 2.9
+    max_accel: float = 4.0
+    max_brake: float = 8.0
+    ego_half_extent: tuple[float, float] = (2.45, 1.05)
+    light_green: float = 8.0
+    light_yellow: float = 2.0
+    light_all_red: float = 1.0
+    # --- episode ends (CaRL's values)
+    max_time: float = 1200.0
+    blocked_time: float = 90.0
+    blocked_speed: float = 0.1
+    route_deviation: float = 30.0
+    off_road_fraction: float = 0.95
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def validate(self) -> "SimConfig":
+        def need(cond: bool, key: str, fix: str) -> None:
+            if not cond:
+                raise ConfigError(f"env.{key}={getattr(self, key)!r}: {fix}")
+
+        need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
+        need(len(self.route_length) == 2 and 10 <= self.route_length[0] <= self.route_length[1], "route_length",
+             "give (min, max) metres with 10 <= min <= max")
+        need(self.num_routes >= 1, "num_routes", "must be >= 1")
+        need(self.map_ppm > 0 and self.bev_ppm > 0, "map_ppm", "pixels per metre must be > 0")
+        for key in ("num_vehicles", "num_pedestrians", "num_statics"):
+            need(getattr(self, key) >= 0, key, "must be >= 0")
+        need(8 <= self.bev_size <= 1024, "bev_size", "must be in [8, 1024]")
+        need(0 <= self.bev_ego_from_bottom < self.bev_size, "bev_ego_from_bottom", "must be in [0, bev_size)")
+        need(0 < self.dt <= 1.0, "dt", "must be in (0, 1] seconds")
+        need(0 < self.off_road_fraction <= 1.0, "off_road_fraction", "must be in (0, 1]")
+        for key in ("max_time", "blocked_time", "route_deviation", "max_accel", "max_brake", "max_steer", "wheelbase",
+                    "light_green", "light_yellow"):
+            need(getattr(self, key) > 0, key, "must be > 0")
+        need(len(self.town_seeds) >= 1, "town_seeds", "give at least one seed")
+        need(not set(self.town_seeds) & set(self.eval_town_seeds), "eval_town_seeds",
+             "held-out towns must differ from town_seeds")
+        self.reward.validate("env.reward")
+        return self
+
+
+def from_dict(cls: type, values: dict[str, Any], prefix: str = "env") -> Any:
+    """Build a (nested) config dataclass from plain values, naming unknown keys and bad types."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{prefix}.{key}: unknown key; valid keys are {', '.join(sorted(known))}")
+        default = known[key].default if known[key].default is not dataclasses.MISSING else known[key].default_factory()
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}.{key}: expected a mapping of {type(default).__name__} fields")
+            value = from_dict(type(default), value, f"{prefix}.{key}")
+        elif isinstance(default, tuple) and isinstance(value, (list, tuple)):
+            value = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{prefix}.{key}={value!r}: expected true or false")
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{prefix}.{key}={value!r}: expected a number")
+            value = type(default)(value) if isinstance(default, float) else value
+        kwargs[key] = value
+    return cls(**kwargs)

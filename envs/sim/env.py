@@ -1,0 +1,353 @@
+"""The built-in batched driving simulator: ``B`` environments stepped in one call on one torch device.
+
+One step: ego kinematic bicycle -> background actors (IDM vehicles, pedestrians) -> route progress and infraction
+checks -> CaRL's reward -> auto-reset of finished environments -> observation. Every stage is a batched tensor
+function; nothing loops over environments or actors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+from torch import Tensor
+
+from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, BatchedEnv, StepResult, TensorSpec
+from envs.maps.lanegraph import LaneGraph, MapError
+from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
+from envs.routes import parse_leaderboard_xml, plan_route, random_routes
+from envs.sim import agents, infractions
+from envs.sim.agents import Pedestrians, Statics, Vehicles
+from envs.sim.config import SimConfig
+from envs.sim.geometry import wrap_angle
+from envs.sim.infractions import HARD, INFRACTIONS, TERMINAL_PENALTY
+from envs.sim.observation import CHANNELS, measurements, render_bev, upcoming_stop_lines, value_measurements
+from envs.sim.world import World, build_world, light_state
+
+HISTORY = 15  # comfort history length (samples)
+TERMINATIONS = HARD + ("route_completed",)
+
+
+@dataclass
+class SimState:
+    """Everything that changes during an episode, batched over environments."""
+
+    ego_xy: Tensor  # [B,2]
+    ego_yaw: Tensor
+    ego_speed: Tensor
+    last_action: Tensor  # [B,3] steer, throttle, brake
+    route_id: Tensor
+    route_idx: Tensor
+    rc: Tensor  # route completion %, 2 decimals
+    t: Tensor  # seconds since episode start
+    steps: Tensor
+    still_time: Tensor  # seconds below the blocked speed
+    light_offset: Tensor  # [B,J]
+    stop_done: Tensor  # the next stop sign on the route has been obeyed
+    hist_speed: Tensor  # [B,HISTORY]
+    hist_yaw: Tensor
+    veh: Vehicles
+    ped: Pedestrians
+    statics: Statics
+    reward_state: RewardState
+    ep_return: Tensor
+    counts: Tensor  # [B, len(INFRACTIONS)] int
+    outside_m: Tensor  # metres of route progress made outside the lanes
+    prev_soft: Tensor  # [B,4] bool: speeding, ttc, comfort, outside last step (to count events on rising edges)
+
+
+def blend(mask: Tensor, fresh, old):
+    """Per-environment select between two state trees (dataclasses of tensors): ``fresh`` where ``mask``."""
+    if dataclasses.is_dataclass(fresh):
+        return type(fresh)(**{f.name: blend(mask, getattr(fresh, f.name), getattr(old, f.name))
+                              for f in dataclasses.fields(fresh)})
+    m = mask.view(-1, *([1] * (fresh.dim() - 1)))
+    return torch.where(m, fresh, old)
+
+
+def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> World:
+    """The map and route bank for ``cfg`` (procedural towns, a CARLA town, or a map file) on ``device``."""
+    graph = load_graph(cfg)
+    if cfg.route_file:
+        town = Path(cfg.map).stem
+        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
+                  if t == town]
+        if not routes:
+            raise MapError(f"route file {cfg.route_file} has no routes for map '{town}'; set env.map to a town it uses")
+    else:
+        seed = 7919 if cfg.route_split == "eval" else route_seed
+        routes = random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed)
+    return build_world(graph, routes, cfg, device)
+
+
+def load_graph(cfg: SimConfig) -> LaneGraph:
+    if cfg.map == "procedural":
+        from envs.maps.procedural import generate_world
+
+        seeds = cfg.eval_town_seeds if cfg.route_split == "eval" else cfg.town_seeds
+        return generate_world(cfg.procedural, list(seeds))
+    if cfg.map.endswith(".npz"):
+        return LaneGraph.load(cfg.map)
+    from envs.maps import opendrive
+
+    if cfg.map.endswith(".xodr"):
+        return opendrive.load_opendrive(cfg.map)
+    return opendrive.load_town(cfg.map)
+
+
+class SimEnv(BatchedEnv):
+    """CaRL's task in the built-in simulator. See ``docs/simulator.md`` for the model and its limits."""
+
+    def __init__(self, cfg: SimConfig, num_envs: int, device: str | torch.device = "cpu", seed: int = 0,
+                 world: World | None = None):
+        if num_envs < 1:
+            raise ValueError(f"num_envs={num_envs}: need at least one environment")
+        self.cfg = cfg.validate()
+        self.num_envs = num_envs
+        self.device = torch.device(device)
+        self.world = world if world is not None else load_world(cfg, self.device)
+        self.gen = torch.Generator(device=self.device)
+        self.seed = seed
+        self.gen.manual_seed(seed)
+        self.num_vehicles = max(1, cfg.num_vehicles)
+        self.num_pedestrians = max(1, cfg.num_pedestrians)
+        self.num_statics = max(1, cfg.num_statics)
+        self.ego_half = torch.tensor(cfg.ego_half_extent, device=self.device).expand(num_envs, 2)
+        self.next_route = torch.arange(num_envs, device=self.device) % self.world.num_routes
+        bev = (len(CHANNELS), cfg.bev_size, cfg.bev_size)
+        self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
+                                 OBS_MEASUREMENTS: TensorSpec((8,), torch.float32),
+                                 OBS_VALUE_MEASUREMENTS: TensorSpec((10,), torch.float32)}
+        self.state: SimState | None = None
+
+    # ------------------------------------------------------------------ episode starts
+    def _pick_routes(self) -> Tensor:
+        if self.cfg.route_split == "eval" or self.cfg.route_file:
+            return self.next_route  # fixed assignment: row i drives route i (mod the number of routes)
+        return torch.randint(self.world.num_routes, (self.num_envs,), generator=self.gen, device=self.device)
+
+    def _initial_state(self) -> SimState:
+        w, cfg, B, dev, g = self.world, self.cfg, self.num_envs, self.device, self.gen
+        route_id = self._pick_routes()
+        p0 = w.route_pts[route_id, 0]
+        d = w.route_pts[route_id, 1] - p0
+        ego_xy, ego_yaw = p0, torch.atan2(d[:, 1], d[:, 0])
+        zeros = torch.zeros(B, device=dev)
+        zi = torch.zeros(B, dtype=torch.long, device=dev)
+        veh = agents.spawn_vehicles(w, B, self.num_vehicles, ego_xy, g)
+        agents.respawn_vehicles(w, veh, ego_xy, route_id, zi, g, far=0.0, ahead=(15, 150), min_ego_dist=12.0)
+        veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=dev) < cfg.num_vehicles)
+        near_idx = (torch.randint(20, 150, (B, self.num_pedestrians), generator=g, device=dev)
+                    ).clamp(max=(w.route_n[route_id] - 1).unsqueeze(1))
+        ped = agents.spawn_pedestrians(w, B, self.num_pedestrians,
+                                       w.route_pts[route_id.unsqueeze(1).expand_as(near_idx), near_idx], g)
+        ped.valid &= cfg.traffic & (torch.arange(self.num_pedestrians, device=dev) < cfg.num_pedestrians)
+        st = agents.spawn_statics(w, route_id, zi, self.num_statics, g)
+        st.valid &= cfg.traffic & (torch.arange(self.num_statics, device=dev) < cfg.num_statics)
+        cycle = 4 * (cfg.light_green + cfg.light_yellow + cfg.light_all_red)
+        return SimState(
+            ego_xy=ego_xy, ego_yaw=ego_yaw, ego_speed=zeros.clone(), last_action=torch.zeros(B, 3, device=dev),
+            route_id=route_id, route_idx=zi.clone(), rc=zeros.clone(), t=zeros.clone(), steps=zi.clone(),
+            still_time=zeros.clone(),
+            light_offset=torch.rand((B, max(1, w.num_junctions)), generator=g, device=dev) * cycle,
+            stop_done=torch.zeros(B, dtype=torch.bool, device=dev),
+            hist_speed=torch.zeros(B, HISTORY, device=dev), hist_yaw=ego_yaw.unsqueeze(1).repeat(1, HISTORY),
+            veh=veh, ped=ped, statics=st, reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
+            counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
+            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev))
+
+    def reset(self, seed: int | None = None) -> dict[str, Tensor]:
+        if seed is not None:
+            self.seed = seed
+            self.gen.manual_seed(seed)
+        self.next_route = torch.arange(self.num_envs, device=self.device) % self.world.num_routes
+        self.state = self._initial_state()
+        self._advance_route_assignment(torch.ones(self.num_envs, dtype=torch.bool, device=self.device))
+        return self._observe(self.state)
+
+    def _advance_route_assignment(self, done: Tensor) -> None:
+        self.next_route = torch.where(done, (self.next_route + self.num_envs) % self.world.num_routes, self.next_route)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, action: Tensor) -> StepResult:
+        if self.state is None:
+            raise RuntimeError("call reset() before step()")
+        action = torch.as_tensor(action, device=self.device, dtype=torch.float32)
+        if action.shape != (self.num_envs, 2):
+            raise ValueError(f"action has shape {tuple(action.shape)}; expected ({self.num_envs}, 2) "
+                             "(steer, longitudinal) in [-1, 1]")
+        if torch.isnan(action).any():
+            rows = torch.nonzero(torch.isnan(action).any(1)).flatten().tolist()[:8]
+            raise ValueError(f"action contains NaN in environments {rows}; actions must be finite in [-1, 1]")
+        action = action.clamp(-1.0, 1.0)  # documented clip
+        s, w, cfg = self.state, self.world, self.cfg
+        rcfg = cfg.reward
+        self._move_ego(s, action)
+        self._move_actors(s)
+        s.t = s.t + cfg.dt
+        s.steps = s.steps + 1
+
+        # route completion and lane relations
+        new_idx, route_dist = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
+        stops_info = self._stop_lines(s, s.route_idx, new_idx)
+        rc = infractions.route_completion(w, s.route_id, new_idx)
+        progress = rc - s.rc
+        travelled = w.route_cum[s.route_id, new_idx] - w.route_cum[s.route_id, s.route_idx]
+        s.route_idx, s.rc = new_idx, rc
+        lane = infractions.lane_measures(w, s.ego_xy, s.ego_yaw)
+
+        # infractions
+        hits = infractions.collisions(s.ego_xy, s.ego_yaw, self.ego_half, {
+            "vehicle": (s.veh.xy, s.veh.yaw, s.veh.half, s.veh.valid),
+            "pedestrian": (s.ped.xy, s.ped.yaw, torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF), s.ped.valid),
+            "static": (s.statics.xy, s.statics.yaw, s.statics.half, s.statics.valid)})
+        s.still_time = torch.where(s.ego_speed < cfg.blocked_speed, s.still_time + cfg.dt, torch.zeros_like(s.t))
+        hard = {
+            "collision_vehicle": hits["vehicle"], "collision_pedestrian": hits["pedestrian"],
+            "collision_static": hits["static"], "red_light": stops_info[0], "stop_sign": stops_info[1],
+            "off_road": infractions.off_road(w, s.ego_xy, s.ego_yaw, self.ego_half, cfg.off_road_fraction),
+            "route_deviation": route_dist > cfg.route_deviation,
+            "blocked": s.still_time > cfg.blocked_time,
+            "timeout": s.t > cfg.max_time,
+        }
+        hard_t = torch.stack([hard[k] for k in HARD], -1)
+        terminated = hard_t.any(-1)
+        truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
+
+        # soft penalties and the reward
+        a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
+        ttc = infractions.ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, self.ego_half, a_xy, a_yaw, a_speed, a_half,
+                                        a_valid, rcfg.ttc_times)
+        s.hist_speed = torch.cat((s.hist_speed[:, 1:], s.ego_speed.unsqueeze(1)), 1)
+        s.hist_yaw = torch.cat((s.hist_yaw[:, 1:], s.ego_yaw.unsqueeze(1)), 1)
+        comfort = comfort_violations(*infractions.comfort_metrics(s.hist_speed, s.hist_yaw, s.steps, cfg.dt), rcfg)
+        terminal_penalty = torch.stack([hard[k] for k in TERMINAL_PENALTY], -1).any(-1)
+        terms = compute_reward(RewardInputs(
+            progress=progress, outside_lanes=lane["outside"], speed=s.ego_speed, speed_limit=lane["speed_limit"],
+            ttc_violation=ttc, comfort_violation=comfort, lane_offset_ratio=lane["lane_ratio"],
+            terminal_penalty=terminal_penalty), s.reward_state, rcfg)
+        reward = terms.reward
+        s.ep_return = s.ep_return + reward
+
+        # episode bookkeeping: hard infractions, and soft ones counted on their rising edge
+        soft = torch.stack((s.ego_speed > lane["speed_limit"], ttc, comfort.any(-1), lane["outside"]), -1)
+        rising = soft & ~s.prev_soft
+        s.prev_soft = soft
+        s.counts = s.counts + torch.cat((hard_t, rising), -1).long()
+        s.outside_m = s.outside_m + torch.where(lane["outside"], travelled, torch.zeros_like(travelled))
+
+        done = terminated | truncated
+        info = self._episode_info(s, done, hard_t, truncated)
+        if cfg.keep_final_obs:
+            for k, v in self._observe(s, speed_limit=lane["speed_limit"]).items():
+                info[f"final_obs/{k}"] = v
+        # auto-reset finished environments, keep the traffic around the others alive
+        if bool(done.any()):  # one host sync; skips building fresh episodes on most steps
+            self.state = s = blend(done, self._initial_state(), s)
+            self._advance_route_assignment(done)
+        agents.respawn_vehicles(w, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
+        s.veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < cfg.num_vehicles)
+        obs = self._observe(s)
+        return StepResult(obs, reward, terminated, truncated, info)
+
+    def _move_ego(self, s: SimState, action: Tensor) -> None:
+        """Kinematic bicycle (centre of gravity at mid-wheelbase); a1 > 0 throttle, a1 < 0 brake; no reverse."""
+        cfg = self.cfg
+        steer = action[:, 0]
+        throttle = action[:, 1].clamp(min=0.0)
+        brake = (-action[:, 1]).clamp(min=0.0)
+        v = s.ego_speed
+        acc = throttle * cfg.max_accel - brake * cfg.max_brake - 0.004 * v * v - 0.1 * (v > 0).float()
+        v_new = (v + acc * cfg.dt).clamp(min=0.0)
+        beta = torch.atan(0.5 * torch.tan(steer * cfg.max_steer))
+        v_mid = 0.5 * (v + v_new)
+        heading = s.ego_yaw + beta
+        s.ego_xy = s.ego_xy + torch.stack((torch.cos(heading), torch.sin(heading)), -1) * (v_mid * cfg.dt).unsqueeze(-1)
+        s.ego_yaw = wrap_angle(s.ego_yaw + v_mid / (cfg.wheelbase / 2) * torch.sin(beta) * cfg.dt)
+        s.ego_speed = v_new
+        s.last_action = torch.stack((steer, throttle, brake), -1)
+
+    def _actors(self, s: SimState, include_ego: bool) -> tuple[Tensor, ...]:
+        """All actors as padded obstacle tensors: vehicles first, then (the ego,) pedestrians, statics."""
+        p_half = torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF)
+        p_speed = torch.where(s.ped.moving, s.ped.speed, torch.zeros_like(s.ped.speed))
+        parts = [(s.veh.xy, s.veh.yaw, s.veh.speed, s.veh.half, s.veh.valid)]
+        if include_ego:
+            parts.append((s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1),
+                          self.ego_half.unsqueeze(1), torch.ones_like(s.ego_speed, dtype=torch.bool).unsqueeze(1)))
+        parts.append((s.ped.xy, s.ped.yaw, p_speed, p_half, s.ped.valid))
+        parts.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half, s.statics.valid))
+        return tuple(torch.cat(x, 1) for x in zip(*parts))
+
+    def _move_actors(self, s: SimState) -> None:
+        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), s.t, s.light_offset, self.cfg,
+                             self.gen)
+        agents.step_pedestrians(self.world, s.ped, self.cfg.dt, self.gen)
+
+    def _stop_lines(self, s: SimState, old_idx: Tensor, new_idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Red-light and stop-sign runs: the ego's tail passes a stop line on its route (CaRL §1.4).
+
+        The tail is ``half length`` behind the centre, so the line counts as passed when the route index moves past
+        the line's point plus that distance (1 m route spacing).
+        """
+        w = self.world
+        stop, ev_idx, _ = upcoming_stop_lines(w, s.route_id, old_idx)
+        tail = int(round(self.cfg.ego_half_extent[0]))
+        line = ev_idx + tail
+        crossed = (old_idx.unsqueeze(1) < line) & (new_idx.unsqueeze(1) >= line) & (w.route_ev_stop[s.route_id] >= 0)
+        is_sign = w.stop_control[stop] == 2
+        group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
+        state, _ = light_state(w, group, s.t, s.light_offset, self.cfg)
+        red = (crossed & ~is_sign & (state == 2)).any(1)
+        # stop signs: the ego must have stood still within the last 4 m before the line
+        near_line = ((ev_idx - new_idx.unsqueeze(1)) <= 4) & ((ev_idx - new_idx.unsqueeze(1)) >= -tail) & is_sign
+        s.stop_done = s.stop_done | ((near_line.any(1)) & (s.ego_speed < 0.1))
+        ran_sign = (crossed & is_sign).any(1) & ~s.stop_done
+        s.stop_done = s.stop_done & ~(crossed & is_sign).any(1)
+        return red, ran_sign
+
+    def _episode_info(self, s: SimState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+        w = self.world
+        route_len = w.route_len[s.route_id]
+        outside_pct = s.outside_m / route_len.clamp(min=1e-3) * 100.0
+        score = infractions.infraction_score(s.counts, outside_pct)
+        reason = torch.cat((hard_t, truncated.unsqueeze(-1)), -1)
+        first = reason.float().argmax(-1)  # the first reason in TERMINATIONS order
+        info = {
+            "done": done,
+            "episode/return": s.ep_return, "episode/length": s.steps.float(), "episode/route_completion": s.rc,
+            "episode/infraction_score": score, "episode/driving_score": (s.rc * score).clamp(min=0.0),
+            "episode/km": route_len * s.rc / 100.0 / 1000.0, "episode/route_id": s.route_id,
+        }
+        for i, name in enumerate(INFRACTIONS):
+            info[f"episode/infractions/{name}"] = s.counts[:, i].float()
+        for i, name in enumerate(TERMINATIONS):
+            info[f"episode/termination/{name}"] = ((first == i) & reason.any(-1)).float()
+        return info
+
+    def _observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+        if speed_limit is None:
+            speed_limit = infractions.lane_measures(self.world, s.ego_xy, s.ego_yaw)["speed_limit"]
+        obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
+               OBS_VALUE_MEASUREMENTS: value_measurements(self.world, s, self.cfg, self.cfg.reward)}
+        if self.cfg.bev:
+            obs[OBS_BEV] = render_bev(self.world, s, self.cfg)
+        else:
+            spec = self.observation_spec[OBS_BEV]
+            obs[OBS_BEV] = torch.zeros((1, *spec.shape), dtype=torch.uint8, device=self.device).expand(
+                self.num_envs, *spec.shape)  # no rendering: a broadcast view, no memory
+        return obs
+
+    # ------------------------------------------------------------------ resume support
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "generator": self.gen.get_state(), "next_route": self.next_route.cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = state["seed"]
+        self.gen.set_state(state["generator"])
+        self.next_route = state["next_route"].to(self.device)
+
+    @property
+    def route_names(self) -> list[str]:
+        return self.world.route_names
+

@@ -1,0 +1,102 @@
+"""CaRL's observation from the batched state: the 10-channel BEV, the measurement and the value-measurement vectors."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from envs.maps.lanegraph import CONTROL_STOP
+from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
+from envs.reward import RewardConfig
+from envs.sim.config import SimConfig
+from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
+from envs.sim.world import World, light_state
+
+CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
+            "speed_signs", "static_objects", "shoulder")
+STATIC_LAYERS = {0: LAYER_ROAD, 2: LAYER_MARKINGS, 7: LAYER_SPEED_SIGNS, 9: LAYER_SHOULDER}
+MIN_HALF_EXTENT = 0.8  # CaRL draws actor boxes with at least 0.8 m half extent
+LIGHT_GREEN, LIGHT_YELLOW_BASE, LIGHT_RED = 80, 170, 255
+EVENT_WINDOW = (-20, 150)  # route points around the ego whose stop lines are drawn
+STOP_SIGN_RANGE = 20.0  # m ahead at which a stop sign becomes the target
+
+
+def bev_config(cfg: SimConfig) -> BevConfig:
+    return BevConfig(size=cfg.bev_size, ppm=cfg.bev_ppm, ego_from_bottom=cfg.bev_ego_from_bottom)
+
+
+def upcoming_stop_lines(world: World, route_id: Tensor, route_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Stop lines on the ego's route near the ego: (stop index [B,E] clamped, route point index [B,E], in-window)."""
+    ev_idx = world.route_ev_idx[route_id]
+    ev_stop = world.route_ev_stop[route_id]
+    rel = ev_idx - route_idx.unsqueeze(1)
+    near = (ev_stop >= 0) & (rel >= EVENT_WINDOW[0]) & (rel <= EVENT_WINDOW[1])
+    return ev_stop.clamp(min=0), ev_idx, near
+
+
+def render_bev(world: World, s, cfg: SimConfig) -> Tensor:
+    """Draw the 10 CaRL channels for every environment of the state ``s`` (an :class:`envs.sim.env.SimState`)."""
+    bc = bev_config(cfg)
+    B = s.ego_xy.shape[0]
+    out = torch.zeros(B, len(CHANNELS), bc.size, bc.size, dtype=torch.uint8, device=s.ego_xy.device)
+    static = crop_static(world.raster, list(STATIC_LAYERS.values()), s.ego_xy, s.ego_yaw, bc)
+    for k, ch in enumerate(STATIC_LAYERS):
+        out[:, ch] = static[:, k]
+    pose = (s.ego_xy, s.ego_yaw, bc)
+    # route: discs at upcoming route points inside junctions
+    n = world.route_n[s.route_id].unsqueeze(1)
+    k = s.route_idx.unsqueeze(1) + torch.arange(cfg.route_points_drawn, device=s.ego_xy.device)
+    in_route = k < n
+    k = k.clamp(max=n - 1)
+    rid = s.route_id.unsqueeze(1).expand_as(k)
+    radius = max(1, round(3 * cfg.bev_ppm / 2.0))
+    draw_discs(out[:, 1], world.route_pts[rid, k], radius, 255, in_route & world.route_junction[rid, k], *pose)
+    # actors
+    v = s.veh
+    draw_boxes(out[:, 3], v.xy, v.yaw, v.half, speed_encoding(v.speed), v.valid, *pose, max_extent_m=3.5)
+    front = v.xy + torch.stack((torch.cos(v.yaw), torch.sin(v.yaw)), -1) * v.half[..., :1]
+    reach = (v.speed * 1.0).clamp(min=0.5).unsqueeze(-1)
+    tip = front + torch.stack((torch.cos(v.yaw), torch.sin(v.yaw)), -1) * reach
+    draw_segments(out[:, 3], front, tip, 1.0 / cfg.bev_ppm, speed_encoding(v.speed), v.valid, *pose, max_length_m=36.0)
+    p = s.ped
+    moving_speed = torch.where(p.moving, p.speed, torch.zeros_like(p.speed))
+    draw_boxes(out[:, 4], p.xy, p.yaw, torch.full_like(p.xy, MIN_HALF_EXTENT), speed_encoding(moving_speed), p.valid,
+               *pose, max_extent_m=1.0)
+    st = s.statics
+    draw_boxes(out[:, 8], st.xy, st.yaw, st.half, 255, st.valid, *pose, max_extent_m=3.5)
+    # traffic lights and the targeted stop sign, from the stop lines on the route
+    stop, ev_idx, near = upcoming_stop_lines(world, s.route_id, s.route_idx)
+    is_sign = world.stop_control[stop] == CONTROL_STOP
+    group = torch.where(is_sign, torch.full_like(stop, -1), world.stop_group[stop])
+    state, yellow_left = light_state(world, group, s.t, s.light_offset, cfg)
+    ramp = LIGHT_YELLOW_BASE + (255 - LIGHT_YELLOW_BASE) * (1 - yellow_left / max(cfg.light_yellow, 1e-3))
+    value = torch.where(state == 0, LIGHT_GREEN, torch.where(state == 1, ramp.round().long(), LIGHT_RED)).to(torch.uint8)
+    centre, yaw, width = world.stop_xy[stop], world.stop_yaw[stop], world.stop_width[stop]
+    across = torch.stack((-torch.sin(yaw), torch.cos(yaw)), -1) * (width / 2).unsqueeze(-1)
+    draw_segments(out[:, 5], centre - across, centre + across, 3.0 / cfg.bev_ppm, value, near & ~is_sign, *pose,
+                  max_length_m=8.0)
+    ahead_m = world.route_cum[s.route_id.unsqueeze(1).expand_as(ev_idx), ev_idx.clamp(max=world.route_pts.shape[1] - 1)] \
+        - world.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+    targeted = near & is_sign & (ahead_m > -2.0) & (ahead_m < STOP_SIGN_RANGE) & ~s.stop_done.unsqueeze(1)
+    box_c = centre - torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * 2.0
+    box_half = torch.stack((torch.full_like(width, 2.0), width / 2), -1)
+    draw_boxes(out[:, 6], box_c, yaw, box_half, 255, targeted, *pose, max_extent_m=4.0)
+    return out
+
+
+def measurements(s, speed_limit: Tensor) -> Tensor:
+    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity, forward speed, limit."""
+    gear = torch.ones_like(s.ego_speed)
+    zeros = torch.zeros_like(s.ego_speed)
+    return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], gear, s.ego_speed, zeros,
+                        s.ego_speed, speed_limit), -1)
+
+
+def value_measurements(world: World, s, cfg: SimConfig, reward_cfg: RewardConfig) -> Tensor:
+    """CaRL's 10 critic-only values: time left, time until blocked, route left, penalty windows left."""
+    remaining = (world.route_n[s.route_id] - 1 - s.route_idx).float() / 100.0
+    ttc = s.reward_state.ttc_ticks.float() / max(reward_cfg.ttc_penalty_ticks, 1)
+    comfort = s.reward_state.comfort_ticks.float() / max(reward_cfg.comfort_penalty_ticks, 1)
+    return torch.cat((
+        ((cfg.max_time - s.t) / cfg.max_time).unsqueeze(-1),
+        (1.0 - s.still_time / cfg.blocked_time).clamp(0.0, 1.0).unsqueeze(-1),
+        remaining.unsqueeze(-1), ttc.unsqueeze(-1), comfort), -1)

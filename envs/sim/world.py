@@ -1,0 +1,214 @@
+"""The static world on the device: lane tensors, traffic control, crosswalks, map raster and the route bank.
+
+Built once per environment object from a :class:`~envs.maps.lanegraph.LaneGraph` and a list of routes; everything
+the step needs is a tensor here so that the step itself never touches Python objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from envs.maps.lanegraph import CONTROL_LIGHT, LaneGraph, MapError
+from envs.maps.raster import MapRaster, load_or_compile_raster
+from envs.routes import Route
+from envs.sim.config import SimConfig
+
+
+@dataclass
+class World:
+    graph: LaneGraph
+    raster: MapRaster
+    device: torch.device
+    # lanes, resampled uniformly per lane (spacing lane_len / (n-1))
+    lane_pts: Tensor  # [L, Pmax, 2]
+    lane_len: Tensor  # [L]
+    lane_spacing: Tensor  # [L]
+    lane_width: Tensor  # [L]
+    lane_speed: Tensor  # [L]
+    lane_junction: Tensor  # [L] bool
+    succ_off: Tensor  # [L] start of successors in succ_idx
+    succ_count: Tensor  # [L]
+    succ_idx: Tensor  # [E]
+    lane_stop: Tensor  # [L] stop-line index at the end of the lane, -1 none
+    spawn_lanes: Tensor  # [S] non-junction lanes long enough to spawn on
+    spawn_cdf: Tensor  # [S] cumulative length weights
+    # traffic control
+    stop_control: Tensor  # [K]
+    stop_group: Tensor  # [K] light group (-1 for stop signs)
+    stop_xy: Tensor  # [K, 2] stop-line centre
+    stop_yaw: Tensor  # [K]
+    stop_width: Tensor  # [K] lane width
+    group_junction: Tensor  # [G]
+    group_phase: Tensor  # [G]
+    group_phases: Tensor  # [G]
+    num_junctions: int
+    # map lookups through the raster's seg_id
+    seg_start: Tensor  # [P, 2] graph.points
+    seg_end: Tensor  # [P, 2] next point (same lane; equals start at lane ends)
+    seg_lane: Tensor  # [P]
+    crosswalks: Tensor  # [C, 4, 2]
+    # routes
+    route_pts: Tensor  # [NR, R, 2] (padded by repeating the last point)
+    route_cum: Tensor  # [NR, R]
+    route_len: Tensor  # [NR]
+    route_n: Tensor  # [NR] number of valid points
+    route_lane: Tensor  # [NR, R]
+    route_s: Tensor  # [NR, R] arc position of each route point on its lane
+    route_junction: Tensor  # [NR, R] bool
+    route_ev_idx: Tensor  # [NR, E] route point index of each stop line passed, R (past the end) as padding
+    route_ev_stop: Tensor  # [NR, E] stop-line index, -1 padding
+    route_names: list[str]
+
+    @property
+    def num_routes(self) -> int:
+        return self.route_pts.shape[0]
+
+
+def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: torch.device) -> World:
+    """Compile a lane graph and routes into device tensors."""
+    if not routes:
+        raise MapError(f"map '{graph.name}': no routes to drive; check env.route_length and the route file")
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "carl" / "maps"
+    raster = load_or_compile_raster(graph, cfg.map_ppm, cache).to(device)
+    L = graph.num_lanes
+    lens = graph.lane_lengths().astype(np.float64)
+    n_pts = np.maximum(2, np.ceil(lens / 1.0).astype(np.int64) + 1)
+    pmax = int(n_pts.max())
+    lane_pts = np.zeros((L, pmax, 2), np.float32)
+    for i in range(L):
+        p = graph.lane_points(i).astype(np.float64)
+        cum = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(p, axis=0), axis=1))])
+        s = np.linspace(0.0, cum[-1], n_pts[i])
+        res = np.stack([np.interp(s, cum, p[:, 0]), np.interp(s, cum, p[:, 1])], -1)
+        lane_pts[i, : n_pts[i]] = res
+        lane_pts[i, n_pts[i]:] = res[-1] + (res[-1] - res[-2]) * np.arange(1, pmax - n_pts[i] + 1)[:, None] * 1e-3
+    spacing = lens / (n_pts - 1)
+    succ_off = graph.succ_offsets[:-1]
+    succ_count = np.diff(graph.succ_offsets)
+    lane_stop = np.full(L, -1, np.int64)
+    lane_stop[graph.stop_lane] = np.arange(len(graph.stop_lane))
+    spawnable = (~graph.is_junction) & (lens > 10.0)
+    if not spawnable.any():
+        spawnable = lens > 0
+    spawn_lanes = np.nonzero(spawnable)[0]
+    spawn_cdf = np.cumsum(lens[spawn_lanes])
+    spawn_cdf /= spawn_cdf[-1]
+    # stop lines sit at lane ends
+    end_pts = np.stack([graph.lane_points(int(l))[-1] for l in graph.stop_lane]) if len(graph.stop_lane) else \
+        np.zeros((0, 2), np.float32)
+    end_dir = np.stack([graph.lane_points(int(l))[-1] - graph.lane_points(int(l))[-2] for l in graph.stop_lane]) \
+        if len(graph.stop_lane) else np.zeros((0, 2), np.float32)
+    seg_lane = np.repeat(np.arange(L), np.diff(graph.offsets))
+    nxt = np.minimum(np.arange(len(graph.points)) + 1, len(graph.points) - 1)
+    same = seg_lane[nxt] == seg_lane
+    seg_end = np.where(same[:, None], graph.points[nxt], graph.points)
+    # routes
+    R = max(len(r.points) for r in routes)
+    NR = len(routes)
+    route_pts = np.zeros((NR, R, 2), np.float32)
+    route_lane = np.zeros((NR, R), np.int64)
+    route_n = np.zeros(NR, np.int64)
+    events: list[list[tuple[int, int]]] = []
+    for k, r in enumerate(routes):
+        n = len(r.points)
+        if n < 3:
+            raise MapError(f"route '{r.name}' has {n} points; a route needs at least 3")
+        route_pts[k, :n] = r.points
+        route_pts[k, n:] = r.points[-1]
+        route_lane[k, :n] = r.lanes
+        route_lane[k, n:] = r.lanes[-1]
+        route_n[k] = n
+        ev = [(i, int(lane_stop[r.lanes[i]])) for i in range(n - 1)
+              if r.lanes[i] != r.lanes[i + 1] and lane_stop[r.lanes[i]] >= 0]
+        events.append(ev)
+    E = max(1, max(len(e) for e in events))
+    ev_idx = np.full((NR, E), R, np.int64)
+    ev_stop = np.full((NR, E), -1, np.int64)
+    for k, ev in enumerate(events):
+        for j, (i, s) in enumerate(ev):
+            ev_idx[k, j], ev_stop[k, j] = i, s
+    seg = np.linalg.norm(np.diff(route_pts, axis=1), axis=-1)
+    route_cum = np.concatenate([np.zeros((NR, 1)), np.cumsum(seg, axis=1)], axis=1).astype(np.float32)
+    route_len = route_cum[np.arange(NR), route_n - 1]
+
+    t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
+    lane_pts_t = t(lane_pts)
+    route_lane_t = t(route_lane)
+    # arc position of each route point on its lane (nearest resampled lane point), chunked over routes
+    route_s = torch.empty(NR, R, device=device)
+    spacing_t = t(spacing, torch.float32)
+    for c in range(0, NR, 16):
+        lanes = route_lane_t[c:c + 16]
+        d = (lane_pts_t[lanes] - t(route_pts[c:c + 16]).unsqueeze(-2)).norm(dim=-1)
+        route_s[c:c + 16] = d.argmin(-1).float() * spacing_t[lanes]
+    return World(
+        graph=graph, raster=raster, device=device,
+        lane_pts=lane_pts_t, lane_len=t(lens, torch.float32), lane_spacing=spacing_t,
+        lane_width=t(graph.width), lane_speed=t(graph.speed_limit), lane_junction=t(graph.is_junction),
+        succ_off=t(succ_off, torch.long), succ_count=t(succ_count, torch.long), succ_idx=t(graph.succ_index, torch.long),
+        lane_stop=t(lane_stop), spawn_lanes=t(spawn_lanes, torch.long), spawn_cdf=t(spawn_cdf, torch.float32),
+        stop_control=t(graph.stop_control, torch.long), stop_group=t(graph.stop_light_group, torch.long),
+        stop_xy=t(end_pts, torch.float32), stop_yaw=t(np.arctan2(end_dir[:, 1], end_dir[:, 0]), torch.float32),
+        stop_width=t(graph.width[graph.stop_lane]),
+        group_junction=t(graph.light_junction, torch.long), group_phase=t(graph.light_phase, torch.long),
+        group_phases=t(graph.light_num_phases, torch.long),
+        num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
+        seg_start=t(graph.points), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
+        crosswalks=t(graph.crosswalks),
+        route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
+        route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
+        route_ev_idx=t(ev_idx), route_ev_stop=t(ev_stop), route_names=[r.name for r in routes],
+    )
+
+
+def light_state(world: World, group: Tensor, t: Tensor, offset: Tensor, cfg: SimConfig) -> tuple[Tensor, Tensor]:
+    """Colour of light groups at time ``t``: (state 0 green / 1 yellow / 2 red, seconds of yellow left).
+
+    group: [B, N] light-group indices (-1 = none -> green); t: [B]; offset: [B, J] per-junction cycle offsets.
+    """
+    g = group.clamp(min=0)
+    phase_len = cfg.light_green + cfg.light_yellow + cfg.light_all_red
+    cycle = world.group_phases[g].float() * phase_len
+    junction = world.group_junction[g]
+    local = torch.remainder(t.unsqueeze(-1) + torch.gather(offset, 1, junction), cycle)
+    rel = local - world.group_phase[g].float() * phase_len
+    green = (rel >= 0) & (rel < cfg.light_green)
+    yellow = (rel >= cfg.light_green) & (rel < cfg.light_green + cfg.light_yellow)
+    state = torch.where(green, 0, torch.where(yellow, 1, 2))
+    state = torch.where(group < 0, torch.zeros_like(state), state)
+    yellow_left = (cfg.light_green + cfg.light_yellow - rel).clamp(0.0, cfg.light_yellow)
+    return state, yellow_left
+
+
+def lane_lookup(world: World, xy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Nearest lane under points ``xy[..., 2]`` via the raster: (lane, signed lateral offset, lane yaw, found)."""
+    r = world.raster
+    pix = r.world_to_pixel(xy)
+    H, W = r.seg_id.shape
+    col = pix[..., 0].floor().long()
+    row = pix[..., 1].floor().long()
+    inside = (col >= 0) & (col < W) & (row >= 0) & (row < H)
+    seg = r.seg_id[row.clamp(0, H - 1), col.clamp(0, W - 1)].long()
+    found = inside & (seg >= 0)
+    seg = seg.clamp(min=0)
+    a, b = world.seg_start[seg], world.seg_end[seg]
+    d = b - a
+    yaw = torch.atan2(d[..., 1], d[..., 0])
+    n = d / d.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    w = xy - a
+    lateral = n[..., 0] * w[..., 1] - n[..., 1] * w[..., 0]
+    return world.seg_lane[seg], lateral, yaw, found
+
+
+def sample_spawn(world: World, shape: tuple[int, ...], gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random (lane, s) positions on spawnable lanes, uniform over length."""
+    u = torch.rand(shape, generator=gen, device=world.device)
+    k = torch.searchsorted(world.spawn_cdf, u.reshape(-1)).reshape(shape).clamp(max=len(world.spawn_lanes) - 1)
+    lane = world.spawn_lanes[k]
+    s = torch.rand(shape, generator=gen, device=world.device) * world.lane_len[lane]
+    return lane, s
+
