@@ -95,7 +95,7 @@ class MapRaster:
         return (xy - o) * self.ppm
 
     def pixel_to_world(self, cr: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`world_to_pixel` (the centre of pixel ``(c, r)`` is ``pixel_to_world((c + .5, r + .5))``)."""
+        """Inverse of :meth:`world_to_pixel`; the centre of pixel ``(c, r)`` is at ``(c + 0.5, r + 0.5)``."""
         o = torch.tensor(self.origin, dtype=cr.dtype, device=cr.device)
         return cr / self.ppm + o
 

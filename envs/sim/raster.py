@@ -72,7 +72,8 @@ def _view_radius_px(cfg: BevConfig, map_ppm: float) -> int:
     return int(math.ceil(math.hypot(dc, dr) / cfg.ppm * map_ppm)) + 2
 
 
-def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...], cfg: BevConfig) -> tuple[Tensor, int, int, float, int]:
+def _padded_layers(raster: MapRaster, layer_ids: tuple[int, ...],
+                   cfg: BevConfig) -> tuple[Tensor, int, int, float, int]:
     """Selected layers with a zero border of ``2 * R`` pixels, channels packed into one machine word per pixel.
 
     ``R`` bounds the BEV's reach from the ego (:func:`_view_radius_px`). Returns ``(packed [Hp*Wp], bytes_per_word,
@@ -263,16 +264,17 @@ def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw
     dc = pc - c_px[..., 0:1]
     dr = pr - c_px[..., 1:2]
     ac, ar = axis[..., 0:1], axis[..., 1:2]
-    # Pixels outside the canvas get a large along-heading offset (folded into the separable row/col terms) and
-    # invalid boxes a negative half length, so a single test per pixel decides everything.
+    # Coordinates are pre-scaled by the box's half sizes so the test is one max(|lx|, |ly|) <= 1 per pixel.
+    # Pixels outside the canvas and invalid boxes get a large offset folded into the separable row/col terms.
     far = 1e6
+    inv_l = 1.0 / hl_px.clamp_min(1e-3)
+    inv_w = 1.0 / hw_px.clamp_min(1e-3)
     pen_c = ((pc < 0) | (pc > w - 1)).float() * far
-    pen_r = ((pr < 0) | (pr > h - 1)).float() * far
-    hl = torch.where(valid, hl_px, torch.full_like(hl_px, -1.0))
-    # along-heading and lateral coordinates, separable in (row, col)
-    lx = (dr * ar + pen_r)[..., :, None] + (dc * ac + pen_c)[..., None, :]  # [B, N, K(row), K(col)]
-    ly = (dr * ac)[..., :, None] - (dc * ar)[..., None, :]
-    inside = (lx.abs_() <= hl[..., None, None]) & (ly.abs_() <= hw_px[..., None, None])
+    pen_r = (((pr < 0) | (pr > h - 1)) | ~valid[..., None]).float() * far
+    # along-heading and lateral coordinates (in half sizes), separable in (row, col)
+    lx = (dr * (ar * inv_l[..., None]) + pen_r)[..., :, None] + (dc * (ac * inv_l[..., None]) + pen_c)[..., None, :]
+    ly = (dr * (ac * inv_w[..., None]))[..., :, None] - (dc * (ar * inv_w[..., None]))[..., None, :]
+    inside = torch.maximum(lx.abs_(), ly.abs_()) <= 1.0  # [B, N, K(row), K(col)]
     bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
     ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + bidx  # [B, N, K]
     ic = pc.clamp(0, w - 1).to(torch.int64) * s2
