@@ -144,8 +144,8 @@ def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, 
         return envs.make_env(name, num_envs=num_envs, device=device, seed=seed, **options)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"env.name={name!r} cannot be created: {exc}") from None
-    except TypeError as exc:
-        raise ConfigError(f"env.options={options} rejected by env {name!r}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # backends reject unknown/invalid options with these
+        raise ConfigError(f"env {name!r} rejected its options {options}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -223,15 +223,15 @@ def train(cfg: TrainConfig) -> int:
 
     device = resolve_device(cfg)
     run_dir = resolve_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
-    print(f"run folder: {run_dir}", flush=True)
     if cfg.parallel.torch_threads:
         torch.set_num_threads(cfg.parallel.torch_threads)
     seed_everything(cfg.seed)
 
-    # -- env, model, trainer --------------------------------------------------------------------------------------
+    # -- env, model, trainer (the env first: a rejected option must not leave a run folder behind) -----------------
     env = build_env(cfg, cfg.env.num_envs, device, cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+    print(f"run folder: {run_dir}", flush=True)
     policy = CarlPolicy(env.observation_spec, env.action_spec.shape[0], cfg.model.features_dim,
                         cfg.model.hidden_dim, cfg.model.fusion_dim, cfg.model.min_final_size).to(device)
     signature = policy.signature()
