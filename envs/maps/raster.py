@@ -91,13 +91,12 @@ class MapRaster:
         Pixel ``(col, row)`` covers ``[col, col + 1) x [row, row + 1)`` in these coordinates, so the pixel containing
         a point is ``floor()`` of the result and pixel centres sit at ``index + 0.5``.
         """
-        o = torch.tensor(self.origin, dtype=xy.dtype, device=xy.device)
-        return (xy - o) * self.ppm
+        # per-component arithmetic with Python floats: no host-to-device copy of the origin on CUDA
+        return torch.stack(((xy[..., 0] - self.origin[0]) * self.ppm, (xy[..., 1] - self.origin[1]) * self.ppm), -1)
 
     def pixel_to_world(self, cr: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`world_to_pixel`; the centre of pixel ``(c, r)`` is at ``(c + 0.5, r + 0.5)``."""
-        o = torch.tensor(self.origin, dtype=cr.dtype, device=cr.device)
-        return cr / self.ppm + o
+        return torch.stack((cr[..., 0] / self.ppm + self.origin[0], cr[..., 1] / self.ppm + self.origin[1]), -1)
 
 
 # ---------------------------------------------------------------------------------------------------- primitives

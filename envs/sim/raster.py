@@ -320,7 +320,7 @@ def draw_segments(canvas: Tensor, p0: Tensor, p1: Tensor, thickness_m: float, va
     b = world_to_bev(p1.float(), ego_xy.float(), ego_yaw.float(), cfg)
     d = b - a
     length = d.norm(dim=-1, keepdim=True)
-    axis = torch.where(length > 1e-6, d / length.clamp_min(1e-6), torch.tensor([0.0, -1.0], device=dev))
+    axis = d / length.clamp_min(1e-6)  # zero-length segments draw a single dot
     max_px = max(max_length_m * cfg.ppm, 0.0)
     eff = length.clamp(max=max_px)
     start = 0.5 * (a + b) - 0.5 * eff * axis  # [B, N, 2]
