@@ -25,6 +25,7 @@ from envs.sim.observation import CHANNELS, measurements, render_bev, upcoming_st
 from envs.sim.world import World, build_world, light_state
 
 HISTORY = 15  # comfort history length (samples)
+RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
 TERMINATIONS = HARD + ("route_completed",)
 
 
@@ -65,8 +66,22 @@ def blend(mask: Tensor, fresh, old):
     return torch.where(m, fresh, old)
 
 
+_WORLDS: dict[tuple, World] = {}
+
+
 def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> World:
-    """The map and route bank for ``cfg`` (procedural towns, a CARLA town, or a map file) on ``device``."""
+    """The map and route bank for ``cfg`` (procedural towns, a CARLA town, or a map file) on ``device``.
+
+    Worlds are immutable, so they are shared between environment objects of the same process.
+    """
+    key = (cfg.map, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds, cfg.route_split, cfg.route_file,
+           cfg.route_length, cfg.num_routes, cfg.map_ppm, str(device), route_seed)
+    if key not in _WORLDS:
+        _WORLDS[key] = _build_world(cfg, device, route_seed)
+    return _WORLDS[key]
+
+
+def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
     graph = load_graph(cfg)
     if cfg.route_file:
         town = Path(cfg.map).stem
@@ -119,6 +134,7 @@ class SimEnv(BatchedEnv):
                                  OBS_MEASUREMENTS: TensorSpec((8,), torch.float32),
                                  OBS_VALUE_MEASUREMENTS: TensorSpec((10,), torch.float32)}
         self.state: SimState | None = None
+        self._steps = 0
 
     # ------------------------------------------------------------------ episode starts
     def _pick_routes(self) -> Tensor:
@@ -245,8 +261,10 @@ class SimEnv(BatchedEnv):
         if bool(done.any()):  # one host sync; skips building fresh episodes on most steps
             self.state = s = blend(done, self._initial_state(), s)
             self._advance_route_assignment(done)
-        agents.respawn_vehicles(w, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
-        s.veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < cfg.num_vehicles)
+        self._steps += 1
+        if self._steps % RESPAWN_EVERY == 0:  # traffic density around the ego changes slowly: refresh once a second
+            agents.respawn_vehicles(w, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
+            s.veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < cfg.num_vehicles)
         obs = self._observe(s)
         return StepResult(obs, reward, terminated, truncated, info)
 

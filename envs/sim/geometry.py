@@ -36,19 +36,17 @@ def boxes_overlap(c1: Tensor, yaw1: Tensor, he1: Tensor, c2: Tensor, yaw2: Tenso
     Returns a bool tensor: True where the boxes intersect (touching counts).
     """
     d = c2 - c1
-    axes1 = torch.stack((torch.cos(yaw1), torch.sin(yaw1)), -1)
-    axes1n = torch.stack((-torch.sin(yaw1), torch.cos(yaw1)), -1)
-    axes2 = torch.stack((torch.cos(yaw2), torch.sin(yaw2)), -1)
-    axes2n = torch.stack((-torch.sin(yaw2), torch.cos(yaw2)), -1)
-    separated = torch.zeros(torch.broadcast_shapes(d.shape[:-1], yaw1.shape, yaw2.shape), dtype=torch.bool,
-                            device=d.device)
-    u1 = (axes1 * he1[..., :1], axes1n * he1[..., 1:])
-    u2 = (axes2 * he2[..., :1], axes2n * he2[..., 1:])
-    for axis in (axes1, axes1n, axes2, axes2n):
-        r1 = (u1[0] * axis).sum(-1).abs() + (u1[1] * axis).sum(-1).abs()
-        r2 = (u2[0] * axis).sum(-1).abs() + (u2[1] * axis).sum(-1).abs()
-        separated |= (d * axis).sum(-1).abs() > r1 + r2
-    return ~separated
+    cos1, sin1, cos2, sin2 = torch.cos(yaw1), torch.sin(yaw1), torch.cos(yaw2), torch.sin(yaw2)
+    # |cos| and |sin| of the relative heading give every projected half-width in closed form
+    c = (cos1 * cos2 + sin1 * sin2).abs()
+    s = (sin2 * cos1 - cos2 * sin1).abs()
+    l1, w1, l2, w2 = he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1]
+    dx1 = (d[..., 0] * cos1 + d[..., 1] * sin1).abs()  # d on box 1's axes
+    dy1 = (-d[..., 0] * sin1 + d[..., 1] * cos1).abs()
+    dx2 = (d[..., 0] * cos2 + d[..., 1] * sin2).abs()  # d on box 2's axes
+    dy2 = (-d[..., 0] * sin2 + d[..., 1] * cos2).abs()
+    return ((dx1 <= l1 + l2 * c + w2 * s) & (dy1 <= w1 + l2 * s + w2 * c)
+            & (dx2 <= l2 + l1 * c + w1 * s) & (dy2 <= w2 + l1 * s + w1 * c))
 
 
 def point_in_quads(p: Tensor, quads: Tensor) -> Tensor:

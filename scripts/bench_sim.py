@@ -1,0 +1,103 @@
+"""Throughput of the built-in simulator: environment steps per second by batch size, without and with the BEV.
+
+Prints one JSON line per configuration, e.g.
+``{"device": "cpu", "batch": 1024, "bev": "none", "steps_per_s": 51234.5, ...}``.
+Targets (issue 2): 2-core CPU >= 50,000 steps/s at batch 1024 without BEV and >= 2,000 steps/s at batch 256 with
+a 10x128x128 BEV; H200 >= 1,000,000 without BEV and >= 100,000 with 10x256x256.
+
+    python scripts/bench_sim.py [--device cpu|cuda] [--batches 1 64 256 1024] [--seconds 5] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from envs import make_env  # noqa: E402
+
+
+def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic: bool) -> dict:
+    options = dict(bev=bev_size is not None, traffic=traffic, town_seeds=(0, 1), num_routes=256)
+    if bev_size is not None:
+        options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
+    env = make_env("sim", batch, device, 0, **options)
+    env.reset()
+    gen = torch.Generator(device=device).manual_seed(0)
+    actions = torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device) \
+        - torch.tensor([0.1, 0.2], device=device)  # mostly forward, gentle steering: episodes of useful length
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for i in range(10):  # warm-up
+        env.step(actions[i % 64])
+    sync()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for i in range(10):
+            env.step(actions[(steps + i) % 64])
+        steps += 10
+        sync()
+    elapsed = time.perf_counter() - t0
+    return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
+            "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
+            "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl"}
+
+
+def bench_highway_env(seconds: float) -> dict | None:
+    """highway-env's intersection-v0 (optional `bench` extra), random actions, for a like-for-like ratio."""
+    try:
+        import gymnasium
+        import highway_env  # noqa: F401
+    except ImportError:
+        return None
+    env = gymnasium.make("intersection-v0")
+    env.reset(seed=0)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        steps += 1
+        if term or trunc:
+            env.reset()
+    return {"device": "cpu", "batch": 1, "bev": "none", "simulator": "highway-env intersection-v0",
+            "steps_per_s": round(steps / (time.perf_counter() - t0), 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", type=int, nargs="*", default=None)
+    p.add_argument("--bev-sizes", type=int, nargs="*", default=None, help="BEV sizes to time besides 'none'")
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-traffic", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    batches = args.batches or ([1, 64, 256, 1024, 16384, 65536] if cuda else [1, 64, 256, 1024])
+    bev_sizes = args.bev_sizes or ([128, 256] if cuda else [128])
+    results = []
+    for bev in [None, *bev_sizes]:
+        for batch in batches:
+            if bev is not None and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
+                continue  # observation alone would not fit
+            r = bench(args.device, batch, bev, args.seconds, not args.no_traffic)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    ref = bench_highway_env(args.seconds)
+    if ref is not None:
+        ours = next((r for r in results if r["batch"] == 1 and r["bev"] == "none"), None)
+        if ours:
+            ref["ratio_carl_batch1_to_highway_env"] = round(ours["steps_per_s"] / ref["steps_per_s"], 1)
+        best = max(r["steps_per_s"] for r in results if r["bev"] == "none")
+        ref["ratio_carl_best_to_highway_env"] = round(best / ref["steps_per_s"], 1)
+        print(json.dumps(ref), flush=True)
+    else:
+        print(json.dumps({"note": "highway-env not installed (pip install -e '.[bench]'): no comparison"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
