@@ -246,6 +246,10 @@ def _value_tensor(value: Tensor | int, like: Tensor) -> Tensor:
     return value.reshape(1, 1) if value.dim() == 0 else value
 
 
+# CPU cache blocking for the patch-based drawing: patch pixels per block.
+_CPU_PATCH_CHUNK_PIXELS = 1 << 16
+
+
 def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw_px: Tensor, value: Tensor | int,
                    valid: Tensor, radius_px: float) -> None:
     """Draw oriented boxes given in BEV pixel space.
@@ -271,17 +275,28 @@ def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw
     inv_w = 1.0 / hw_px.clamp_min(1e-3)
     pen_c = ((pc < 0) | (pc > w - 1)).float() * far
     pen_r = (((pr < 0) | (pr > h - 1)) | ~valid[..., None]).float() * far
-    # along-heading and lateral coordinates (in half sizes), separable in (row, col)
-    lx = (dr * (ar * inv_l[..., None]) + pen_r)[..., :, None] + (dc * (ac * inv_l[..., None]) + pen_c)[..., None, :]
-    ly = (dr * (ac * inv_w[..., None]))[..., :, None] - (dc * (ar * inv_w[..., None]))[..., None, :]
-    inside = torch.maximum(lx.abs_(), ly.abs_()) <= 1.0  # [B, N, K(row), K(col)]
+    # along-heading and lateral coordinates (in half sizes), separable in (row, col): [B, N, K] terms
+    lx_r = dr * (ar * inv_l[..., None]) + pen_r
+    lx_c = dc * (ac * inv_l[..., None]) + pen_c
+    ly_r = dr * (ac * inv_w[..., None])
+    ly_c = dc * (ar * inv_w[..., None])
     bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
     ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + bidx  # [B, N, K]
     ic = pc.clamp(0, w - 1).to(torch.int64) * s2
-    flat = ir[..., :, None] + ic[..., None, :]
-    # bool -> uint8 view times the value: much faster on CPU than a broadcasting torch.where on uint8
-    vals = inside.view(torch.uint8) * _value_tensor(value, valid)[..., None, None]
-    flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
+    val = _value_tensor(value, valid).expand(valid.shape)[..., None, None]
+    n_box = valid.shape[1]
+    # CPU: blocks of environments small enough for the [b, N, K, K] temporaries to stay in cache (measured up to
+    # ~2x faster than one pass when other processes compete for memory bandwidth); CUDA: one block.
+    step = bsz if dev.type != "cpu" else max(1, _CPU_PATCH_CHUNK_PIXELS // max(1, n_box * (2 * r + 1) ** 2))
+    for s in range(0, bsz, step):
+        e = min(bsz, s + step)
+        lx = lx_r[s:e, :, :, None] + lx_c[s:e, :, None, :]  # [b, N, K(row), K(col)]
+        ly = ly_r[s:e, :, :, None] - ly_c[s:e, :, None, :]
+        inside = torch.maximum(lx.abs_(), ly.abs_()) <= 1.0
+        flat = ir[s:e, :, :, None] + ic[s:e, :, None, :]
+        # bool -> uint8 view times the value: much faster on CPU than a broadcasting torch.where on uint8
+        vals = inside.view(torch.uint8) * val[s:e]
+        flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
 
 
 def draw_boxes(canvas: Tensor, center: Tensor, yaw: Tensor, half_extent: Tensor, value: Tensor | int,
