@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,11 +89,23 @@ def evaluate_many(
     return {name: evaluate(make_env, f, episodes, max_steps, seed) for name, f in factories.items()}
 
 
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf (e.g. the means of zero finished episodes) become null so the file is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def write_result(result: dict[str, Any], path: str | Path) -> Path:
+    """Write ``result`` as JSON atomically (tmp file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
     tmp.replace(path)
     return path
 
