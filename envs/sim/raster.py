@@ -8,10 +8,11 @@ BEV frame (CaRL): the image is ego-centric with the ego heading pointing up. The
 ``(col, row) = (W // 2, H - 1 - ego_from_bottom)``; pixel centres sit at integer ``(col, row)`` coordinates, rows grow
 downwards (backwards from the ego) and columns grow to the ego's right.
 
-Drawing primitives work on a fixed ``K x K`` pixel patch per object (``K`` from a maximum object size), test every
-patch pixel against the object's shape at once and combine into the canvas with ``scatter_reduce("amax")``, so
-overlapping objects keep the larger value and objects outside the view are dropped (their pixels write 0, which
-``amax`` ignores).
+Boxes and discs use a fixed ``K x K`` pixel patch per object (``K`` from a maximum object size) and test every patch
+pixel against the object's shape at once; segments use a fixed grid of samples along and across them. Everything is
+combined into the canvas with ``scatter_reduce("amax")``, so overlapping objects keep the larger value and objects
+outside the view are dropped (their pixels write 0, which ``amax`` ignores). On CPU the big per-pixel work is done in
+fixed-size blocks of environments so temporaries stay in cache; on CUDA the whole batch is one block.
 """
 from __future__ import annotations
 
