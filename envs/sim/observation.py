@@ -38,9 +38,8 @@ def render_bev(world: World, s, cfg: SimConfig) -> Tensor:
     bc = bev_config(cfg)
     B = s.ego_xy.shape[0]
     out = torch.zeros(B, len(CHANNELS), bc.size, bc.size, dtype=torch.uint8, device=s.ego_xy.device)
-    static = crop_static(world.raster, list(STATIC_LAYERS.values()), s.ego_xy, s.ego_yaw, bc)
-    for k, ch in enumerate(STATIC_LAYERS):
-        out[:, ch] = static[:, k]
+    crop_static(world.raster, list(STATIC_LAYERS.values()), s.ego_xy, s.ego_yaw, bc, out=out,
+                out_channels=list(STATIC_LAYERS))
     pose = (s.ego_xy, s.ego_yaw, bc)
     # route: discs at upcoming route points inside junctions
     n = world.route_n[s.route_id].unsqueeze(1)
