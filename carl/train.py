@@ -230,6 +230,7 @@ def train(cfg: TrainConfig) -> int:
     # -- env, model, trainer (the env first: a rejected option must not leave a run folder behind) -----------------
     env = build_env(cfg, cfg.env.num_envs, device, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir)
     OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
     print(f"run folder: {run_dir}", flush=True)
     policy = CarlPolicy(env.observation_spec, env.action_spec.shape[0], cfg.model.features_dim,
