@@ -1,0 +1,492 @@
+"""A stand-in CARLA 0.9.16 server for tests: it speaks the wire protocol, it is NOT a simulator.
+
+This process exists only to test our CARLA integration (the env worker, the server manager, crash recovery) with the
+unmodified ``carla==0.9.16`` client where no CARLA server can run (CI, laptops). It does not replace CARLA: there is
+no rendering, no sensors, no collision physics, no walker navigation and no CARLA Traffic Manager behaviour beyond
+applying the controls the client-side TM sends. Vehicles move with the built-in simulator's kinematic bicycle
+(``envs/sim/env.py``, default ``SimConfig`` constants) so that a policy sees the same first observations here and in
+the built-in simulator; walkers move in a straight line with their last ``WalkerControl``.
+
+Protocol (``docs/carla.md`` and the shared client notes, section 5): msgpack-RPC over TCP on the RPC port (every
+request carries a leading metadata argument; results are wrapped as ``carla::rpc::Response``), and one TCP connection
+per stream on the streaming port (the client sends the 4-byte stream id, then reads ``[u32 length][payload]`` frames).
+The world state is the "episode state" stream (sensor type 17): a 48-byte sensor header, a 36-byte episode header and
+119 bytes per actor. The binary layouts are specific to the 0.9.16 client.
+
+Run: ``python -m envs.carla.standin --port 2000 --map Town01.xodr`` (also accepts ``CarlaUE4.sh`` flags such as
+``-carla-rpc-port=2000 -carla-streaming-port=2001``, so it can stand in for the executable in the server manager).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+
+log = logging.getLogger("carla-standin")
+
+VERSION = "0.9.16"
+EPISODE_STATE_SENSOR = 17  # SensorRegistry index of the episode-state serializer in 0.9.16
+STREAM_ID = 1
+SPECTATOR_ID = 1
+FIRST_ACTOR_ID = 100
+# WorldSettings defaults (0.9.16 field order)
+DEFAULT_SETTINGS = [False, False, [False], False, 0.01, 10, 0.0, True, 3000.0, 2000.0, False]
+# kinematic bicycle: the built-in simulator's SimConfig defaults (envs/sim/config.py)
+MAX_STEER, WHEELBASE, MAX_ACCEL, MAX_BRAKE = 0.6, 2.9, 4.0, 8.0
+SPEED_LIMIT_KMH = 30.0
+ATTR_BOOL, ATTR_INT, ATTR_FLOAT, ATTR_STRING = 1, 2, 3, 4  # attribute type codes on the 0.9.16 wire
+
+
+def _attr(name: str, kind: int, value: str, recommended: list[str] | None = None, modifiable: bool = False) -> list:
+    return [name, kind, value, recommended or [], modifiable, False]
+
+
+def _blueprints() -> dict[str, tuple[str, list, tuple[float, float, float]]]:
+    """id -> (tags, attributes, bounding-box half extent)."""
+    role = _attr("role_name", ATTR_STRING, "autopilot", ["autopilot", "scenario", "ego", "hero"], True)
+    out: dict[str, tuple[str, list, tuple[float, float, float]]] = {}
+    for bp, ext in (("vehicle.lincoln.mkz_2020", (2.45, 1.05, 0.75)), ("vehicle.tesla.model3", (2.4, 1.05, 0.75)),
+                    ("vehicle.audi.a2", (1.85, 0.9, 0.8)), ("vehicle.nissan.patrol", (2.3, 0.95, 0.95))):
+        attrs = [_attr("number_of_wheels", ATTR_INT, "4"), _attr("base_type", ATTR_STRING, "car"),
+                 _attr("generation", ATTR_INT, "2"), role]
+        out[bp] = ("vehicle," + ",".join(bp.split(".")[1:]), attrs, ext)
+    for i in (1, 2, 3):
+        bp = f"walker.pedestrian.{i:04d}"
+        attrs = [_attr("is_invincible", ATTR_BOOL, "true", modifiable=True),
+                 _attr("speed", ATTR_FLOAT, "1.4", ["1.4", "2.0"], True), _attr("age", ATTR_STRING, "adult"),
+                 _attr("generation", ATTR_INT, "2"), role]
+        out[bp] = (f"walker,pedestrian,{i:04d}", attrs, (0.3, 0.3, 0.9))
+    out["sensor.other.collision"] = ("sensor,other,collision", [role], (0.0, 0.0, 0.0))
+    return out
+
+
+@dataclass
+class Actor:
+    """One actor, pose in CARLA's left-handed frame (degrees), speed along the heading."""
+
+    id: int
+    type_id: str
+    attributes: list  # [[id, type, value]] as sent by the client
+    extent: tuple[float, float, float]
+    x: float
+    y: float
+    z: float
+    yaw: float  # degrees, CARLA convention
+    pitch: float = 0.0
+    roll: float = 0.0
+    speed: float = 0.0
+    control: list = field(default_factory=lambda: [0.0, 0.0, 0.0, False, False, False, 0])
+    walker_dir: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def is_vehicle(self) -> bool:
+        return self.type_id.startswith("vehicle.")
+
+    @property
+    def is_walker(self) -> bool:
+        return self.type_id.startswith("walker.")
+
+    def rpc(self) -> list:
+        """``carla::rpc::Actor``: semantic tags and stream token must be msgpack bin."""
+        bbox = [[0.0, 0.0, self.extent[2]], list(self.extent), [0.0, 0.0, 0.0]]
+        return [self.id, 0, [0, self.type_id, self.attributes], bbox, b"\x0e" if self.is_vehicle else b"",
+                b""]  # an empty stream token: not a sensor
+
+    def step(self, dt: float) -> None:
+        """Kinematic bicycle (the built-in simulator's ego model) for vehicles; straight walking for walkers."""
+        if self.is_walker:
+            dx, dy, _ = self.walker_dir
+            self.x += dx * self.speed * dt
+            self.y += dy * self.speed * dt
+            if self.speed > 0 and (dx or dy):
+                self.yaw = math.degrees(math.atan2(dy, dx))
+            return
+        if not self.is_vehicle:
+            return
+        throttle, steer, brake = (float(v) if v == v else 0.0 for v in self.control[:3])  # NaN -> 0
+        steer_ours = -max(-1.0, min(1.0, steer))  # CARLA steers right for positive values; our frame is mirrored
+        v = self.speed
+        acc = throttle * MAX_ACCEL - brake * MAX_BRAKE - 0.004 * v * v - 0.1 * (v > 0)
+        v_new = max(0.0, v + acc * dt)
+        beta = math.atan(0.5 * math.tan(steer_ours * MAX_STEER))
+        v_mid = 0.5 * (v + v_new)
+        yaw_ours = -math.radians(self.yaw)
+        heading = yaw_ours + beta
+        x_ours, y_ours = self.x + math.cos(heading) * v_mid * dt, -self.y + math.sin(heading) * v_mid * dt
+        yaw_ours = yaw_ours + v_mid / (WHEELBASE / 2) * math.sin(beta) * dt
+        yaw_ours = (yaw_ours + math.pi) % (2 * math.pi) - math.pi
+        self.x, self.y, self.yaw, self.speed = x_ours, -y_ours, -math.degrees(yaw_ours), v_new
+
+    def record(self) -> bytes:
+        """One 119-byte ``ActorDynamicState`` record (0.9.16 layout)."""
+        rad = math.radians(self.yaw)
+        if self.is_walker:
+            vx, vy = self.walker_dir[0] * self.speed, self.walker_dir[1] * self.speed
+        else:
+            vx, vy = math.cos(rad) * self.speed, math.sin(rad) * self.speed
+        head = struct.pack("<IB6f3f3f3f", self.id, 1, self.x, self.y, self.z, self.pitch, self.yaw, self.roll,
+                           vx, vy, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        if self.is_vehicle:
+            c = self.control
+            union = struct.pack("<3f3?if", float(c[0]), float(c[1]), float(c[2]), bool(c[3]), bool(c[4]), bool(c[5]),
+                                int(c[6]), SPEED_LIMIT_KMH)
+        else:
+            union = b""
+        return head + union.ljust(54, b"\0")
+
+
+class World:
+    """The stand-in's whole state, guarded by one lock (RPC threads, stream threads)."""
+
+    def __init__(self, maps: dict[str, Path], town: str, stream_port: int):
+        self.maps, self.town = maps, town
+        self.stream_port = stream_port
+        self.lock = threading.RLock()
+        self.episode = 1
+        self.frame = 0
+        self.elapsed = 0.0
+        self.settings = list(DEFAULT_SETTINGS)
+        self.actors: dict[int, Actor] = {}
+        self.next_id = FIRST_ACTOR_ID
+        self.tms: dict[int, str] = {}
+        self.blueprints = _blueprints()
+        self.subscribers: list[socket.socket] = []
+        self.spectator = Actor(SPECTATOR_ID, "spectator", [], (0.0, 0.0, 0.0), 0.0, 0.0, 0.0, 0.0)
+        self._xodr: dict[str, str] = {}
+
+    # -------------------------------------------------------------------------------- helpers
+    def xodr(self) -> str:
+        if self.town not in self._xodr:
+            self._xodr[self.town] = self.maps[self.town].read_text()
+        return self._xodr[self.town]
+
+    def token(self) -> bytes:
+        return struct.pack("<IHBB16s", STREAM_ID, self.stream_port, 1, 1, bytes([127, 0, 0, 1]) + bytes(12))
+
+    def dt(self) -> float:
+        fixed = self.settings[2]
+        return float(fixed[1]) if isinstance(fixed, (list, tuple)) and len(fixed) > 1 and fixed[0] else 0.05
+
+    def state_frame(self) -> bytes:
+        actors = [self.spectator, *self.actors.values()]
+        header = struct.pack("<QQd6f", EPISODE_STATE_SENSOR, self.frame, self.elapsed, 0, 0, 0, 0, 0, 0)
+        episode = struct.pack("<Qdf3ii", self.episode, time.time(), self.dt(), 0, 0, 0, 0)
+        payload = header + episode + b"".join(a.record() for a in actors)
+        return struct.pack("<I", len(payload)) + payload
+
+    def broadcast(self) -> None:
+        frame = self.state_frame()
+        for s in list(self.subscribers):
+            try:
+                s.sendall(frame)
+            except OSError:
+                self.subscribers.remove(s)
+
+    def tick(self) -> int:
+        dt = self.dt()
+        for a in self.actors.values():
+            a.step(dt)
+        self.frame += 1
+        self.elapsed += dt
+        self.broadcast()
+        return self.frame
+
+    def spawn(self, description: list, transform: list) -> Actor:
+        _, type_id, attrs = description
+        if type_id not in self.blueprints and not type_id.startswith("controller."):
+            raise RpcFailure(f"unknown blueprint {type_id}")
+        (x, y, z), (pitch, yaw, roll) = transform
+        ext = self.blueprints.get(type_id, ("", [], (0.0, 0.0, 0.0)))[2]
+        if type_id.startswith(("vehicle.", "walker.")):
+            for other in self.actors.values():
+                if other.type_id.startswith(("vehicle.", "walker.")) and math.hypot(other.x - x, other.y - y) < (
+                        ext[0] + other.extent[0]) * 0.8:
+                    raise RpcFailure("Spawn failed because of collision at spawn position")
+        actor = Actor(self.next_id, type_id, attrs, ext, x, y, z, yaw, pitch, roll)
+        self.next_id += 1
+        self.actors[actor.id] = actor
+        return actor
+
+    def find(self, actor_id: int) -> Actor | None:
+        return self.spectator if actor_id == SPECTATOR_ID else self.actors.get(actor_id)
+
+
+class RpcFailure(Exception):
+    """Turned into a ``carla::rpc::ResponseError`` (the client raises RuntimeError with the message)."""
+
+
+def ok(value: Any) -> list:
+    return [[1, value]]
+
+
+VOID = [[False]]
+
+
+def make_handlers(w: World) -> dict[str, Callable[..., Any]]:
+    """The RPC methods the env-worker path needs; each returns the msgpack-ready result."""
+
+    def load_new_episode(name: str, reset_settings: bool = True, layers: int = 0xFFFF) -> list:
+        town = name.rsplit("/", 1)[-1]
+        if town not in w.maps:
+            raise RpcFailure("map not found")
+        w.town, w.actors, w.episode = town, {}, w.episode + 1
+        if reset_settings:
+            w.settings = list(DEFAULT_SETTINGS)
+        w.broadcast()
+        return VOID
+
+    def set_episode_settings(settings: list) -> list:
+        w.settings = list(settings)
+        w.broadcast()
+        return ok(w.frame)
+
+    def spawn_actor(description: list, transform: list, *_: Any) -> list:
+        return ok(w.spawn(description, transform).rpc())
+
+    def apply_control(actor_id: int, control: list) -> list:
+        a = w.actors.get(actor_id)
+        if a is not None and a.is_vehicle:
+            a.control = list(control)
+        return VOID
+
+    def apply_walker_control(actor_id: int, control: list) -> list:
+        a = w.actors.get(actor_id)
+        if a is not None and a.is_walker:
+            (dx, dy, dz), speed = control[0], float(control[1])
+            norm = math.hypot(dx, dy) or 1.0
+            a.walker_dir, a.speed = (dx / norm, dy / norm, 0.0), speed
+        return VOID
+
+    def destroy_actor(actor_id: int) -> list:
+        return ok(w.actors.pop(actor_id, None) is not None)
+
+    def bounding_box(actor_id: int) -> list:
+        a = w.find(actor_id)
+        if a is None:
+            raise RpcFailure(f"actor {actor_id} not found")
+        return ok(a.rpc()[3])
+
+    def actors_by_id(ids: list) -> list:
+        return ok([a.rpc() for a in (w.find(i) for i in ids) if a is not None])
+
+    def set_transform(actor_id: int, transform: list) -> list:
+        a = w.find(actor_id)
+        if a is not None:
+            (a.x, a.y, a.z), (a.pitch, a.yaw, a.roll) = transform
+        return VOID
+
+    def apply_batch(commands: list, do_tick: bool = False) -> list:
+        out = []
+        for index, payload in commands:
+            if index == 2:  # ApplyVehicleControl [id, control]
+                apply_control(payload[0], payload[1])
+            out.append([[1, payload[0] if isinstance(payload, list) and payload else 0]])
+        if do_tick:
+            w.tick()
+        return out
+
+    def add_tm(info: list) -> list:
+        ip, port = info
+        new = port not in w.tms
+        w.tms.setdefault(port, ip)
+        return ok(new)
+
+    return {
+        "version": lambda: ok(VERSION),
+        "get_available_maps": lambda: ok([f"/Game/Carla/Maps/{t}" for t in sorted(w.maps)]),
+        "load_new_episode": load_new_episode,
+        "get_episode_info": lambda: ok([w.episode, [w.token()]]),
+        "get_sensor_token": lambda stream_id: ok([w.token()]),
+        "get_episode_settings": lambda: ok(w.settings),
+        "set_episode_settings": set_episode_settings,
+        "query_lights_state": lambda client: ok([]),
+        "get_required_files": lambda folder="": ok([]),
+        "get_map_info": lambda: ok([f"Carla/Maps/{w.town}", []]),
+        "get_map_data": lambda: ok(w.xodr()),
+        "tick_cue": lambda: ok(w.tick()),
+        "get_actor_definitions": lambda: ok([[0, bp, tags, attrs] for bp, (tags, attrs, _) in w.blueprints.items()]),
+        "spawn_actor": spawn_actor,
+        "spawn_actor_with_parent": spawn_actor,
+        "get_actor_bounding_box": bounding_box,
+        "get_actors_by_id": actors_by_id,
+        "apply_control_to_vehicle": apply_control,
+        "apply_control_to_walker": apply_walker_control,
+        "destroy_actor": destroy_actor,
+        "set_actor_transform": set_transform,
+        "get_spectator": lambda: ok(w.spectator.rpc()),
+        "is_traffic_manager_running": lambda port: ok(port in w.tms),
+        "add_traffic_manager_running": add_tm,
+        "get_traffic_manager_running": lambda port: ok([w.tms.get(port, ""), port if port in w.tms else 0]),
+        "destroy_traffic_manager": lambda port: ok(w.tms.pop(port, None) is not None),
+        "set_actor_simulate_physics": lambda actor_id, enabled: VOID,
+        "set_actor_autopilot": lambda actor_id, enabled: VOID,
+        "get_vehicle_light_states": lambda: ok([[a.id, 0] for a in w.actors.values() if a.is_vehicle]),
+        "get_weather_parameters": lambda: ok([0.0] * 14),
+        "apply_batch": apply_batch,
+        "reset_all_traffic_lights": lambda: VOID,
+        "freeze_all_traffic_lights": lambda frozen: VOID,
+    }
+
+
+class _RpcHandler(socketserver.BaseRequestHandler):
+    """One msgpack-RPC connection: ``[0, msgid, method, [metadata, *args]]`` -> ``[1, msgid, error, result]``."""
+
+    def handle(self) -> None:
+        w: World = self.server.world  # type: ignore[attr-defined]
+        handlers: dict[str, Callable[..., Any]] = self.server.handlers  # type: ignore[attr-defined]
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            unpacker.feed(data)
+            for msg in unpacker:
+                if not isinstance(msg, list) or len(msg) != 4 or msg[0] != 0:
+                    continue  # notifications are not used by the client paths served here
+                _, msgid, method, params = msg
+                log.debug("rpc %s %r", method, params)
+                args = params[1:] if params else []  # drop CARLA's metadata argument
+                error, result = None, None
+                fn = handlers.get(method)
+                if fn is None:
+                    log.warning("unsupported RPC %s%r", method, args)
+                    error = f"stand-in: unsupported RPC '{method}'"
+                else:
+                    try:
+                        with w.lock:
+                            result = fn(*args)
+                    except RpcFailure as e:
+                        result = [[0, [str(e)]]]
+                    except Exception as e:  # noqa: BLE001 - a bad request must not kill the server
+                        log.exception("RPC %s failed", method)
+                        error = f"stand-in: {method} failed: {e}"
+                try:
+                    sock.sendall(msgpack.packb([1, msgid, error, result], use_bin_type=True))
+                except OSError:
+                    return
+
+
+class _StreamHandler(socketserver.BaseRequestHandler):
+    """One stream connection: read the 4-byte stream id, then the world pushes frames until the client leaves."""
+
+    def handle(self) -> None:
+        w: World = self.server.world  # type: ignore[attr-defined]
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = b""
+        while len(head) < 4:
+            chunk = sock.recv(4 - len(head))
+            if not chunk:
+                return
+            head += chunk
+        (stream_id,) = struct.unpack("<I", head)
+        log.debug("stream %d connected", stream_id)
+        if stream_id != STREAM_ID:
+            log.warning("client asked for unknown stream %d", stream_id)
+            return
+        with w.lock:
+            w.subscribers.append(sock)
+            sock.sendall(w.state_frame())
+        while True:
+            try:
+                if not sock.recv(1024):
+                    break
+            except OSError:
+                break
+        with w.lock:
+            if sock in w.subscribers:
+                w.subscribers.remove(sock)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _async_ticker(w: World, period: float = 0.05) -> None:
+    """Asynchronous mode (CARLA's default): the world advances on its own, as a real server does."""
+    while True:
+        time.sleep(period)
+        with w.lock:
+            if not w.settings[0]:
+                w.tick()
+
+
+def serve(rpc_port: int, stream_port: int, maps: dict[str, Path], town: str, host: str = "127.0.0.1"
+          ) -> tuple[_Server, _Server]:
+    """Start the RPC and streaming servers in background threads; returns them (call ``shutdown()`` to stop)."""
+    world = World(maps, town, stream_port)
+    threading.Thread(target=_async_ticker, args=(world,), daemon=True, name="standin-async").start()
+    servers = []
+    for port, handler in ((rpc_port, _RpcHandler), (stream_port, _StreamHandler)):
+        srv = _Server((host, port), handler)
+        srv.world = world  # type: ignore[attr-defined]
+        srv.handlers = make_handlers(world)  # type: ignore[attr-defined]
+        threading.Thread(target=srv.serve_forever, daemon=True, name=f"standin-{port}").start()
+        servers.append(srv)
+    return servers[0], servers[1]
+
+
+def _normalise_carla_flags(argv: list[str]) -> list[str]:
+    """Map ``CarlaUE4.sh`` flags onto ours and drop the ones that mean nothing here (-RenderOffScreen, ...)."""
+    out = []
+    for a in argv:
+        if a.startswith("-carla-rpc-port="):
+            out += ["--port", a.split("=", 1)[1]]
+        elif a.startswith("-carla-streaming-port="):
+            out += ["--streaming-port", a.split("=", 1)[1]]
+        elif a.startswith("-") and not a.startswith("--"):
+            continue
+        else:
+            out.append(a)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m envs.carla.standin")
+    p.add_argument("--port", type=int, default=2000, help="RPC port (CARLA's -carla-rpc-port)")
+    p.add_argument("--streaming-port", type=int, default=None, help="streaming port (default: RPC port + 1)")
+    p.add_argument("--map", required=True, help="OpenDRIVE file of the town loaded at start")
+    p.add_argument("--maps-dir", default=None, help="folder of <Town>.xodr files load_world may switch to")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--verbose", action="store_true", help="log every RPC")
+    args = p.parse_args(_normalise_carla_flags(list(sys.argv[1:] if argv is None else argv)))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    start = Path(args.map)
+    if not start.is_file():
+        p.error(f"--map {start}: no such OpenDRIVE file")
+    maps = {start.stem: start}
+    if args.maps_dir:
+        maps.update({f.stem: f for f in sorted(Path(args.maps_dir).glob("*.xodr"))})
+    stream_port = args.streaming_port or args.port + 1
+    rpc, stream = serve(args.port, stream_port, maps, start.stem, args.host)
+    log.info("stand-in CARLA %s serving %s on rpc %d / streaming %d (a test double, not a simulator)", VERSION,
+             start.stem, args.port, stream_port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    rpc.shutdown()
+    stream.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
