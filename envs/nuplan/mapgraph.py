@@ -1,0 +1,215 @@
+"""Compile the part of a nuPlan map around a scenario into the simulator's ``LaneGraph``, plus the expert route.
+
+* Lanes and lane connectors whose baseline comes within ``radius`` of the logged ego path become lanes (connectors
+  are junction lanes); successors follow ``lane_connectors`` (``exit_lane_fid`` -> connector -> ``entry_lane_fid``);
+  left/right neighbours are lanes of the same roadblock with ``lane_index`` -1/+1 (smaller index = further left).
+* Width = lane polygon area / baseline length; a connector without a limit takes the highest limit of its two
+  lanes (as nuPlan's speed-limit metric does).
+* Traffic lights: an approach lane whose outgoing connectors carry logged light states gets a stop line at its end
+  and one light group of its own; the group shows the state of the connector the expert takes (else the first
+  signalled connector). :func:`build_patch` returns the connector id behind every group.
+* Coordinates are shifted by ``origin`` (the ego start) so float32 keeps centimetre precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from envs.maps.lanegraph import CONTROL_LIGHT, MARK_BROKEN, MARK_SOLID, Lane, LaneGraph, LightGroup, StopLine
+from envs.nuplan.nuplan_map import NuplanMap
+from envs.routes import Route
+
+DEFAULT_SPEED_LIMIT = 13.89  # m/s where the map has none
+
+
+@dataclass
+class Patch:
+    graph: LaneGraph
+    lane_fids: list[str]  # map fid of every graph lane
+    light_connectors: list[int]  # lane-connector id whose status drives light group k
+    route: Route
+
+
+def polygon_area(ring: np.ndarray) -> float:
+    x, y = ring[:, 0], ring[:, 1]
+    return 0.5 * abs(float(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1))))
+
+
+def polyline_length(p: np.ndarray) -> float:
+    return float(np.linalg.norm(np.diff(p, axis=0), axis=1).sum())
+
+
+def quad(ring: np.ndarray) -> np.ndarray:
+    """A 4-corner box for a polygon: its corners if it has four, else the principal-axis bounding box."""
+    r = ring[:-1] if np.allclose(ring[0], ring[-1]) else ring
+    if len(r) == 4:
+        return r
+    c = r.mean(0)
+    _, _, vt = np.linalg.svd(r - c)
+    loc = (r - c) @ vt.T
+    lo, hi = loc.min(0), loc.max(0)
+    corners = np.array([[lo[0], lo[1]], [hi[0], lo[1]], [hi[0], hi[1]], [lo[0], hi[1]]])
+    return corners @ vt + c
+
+
+def build_patch(m: NuplanMap, ego_path: np.ndarray, origin: np.ndarray, light_ids: set[int],
+                route_roadblocks: list[str], radius: float = 60.0, route_extension: float = 20.0,
+                name: str = "patch") -> Patch:
+    """The lane graph around ``ego_path`` ([T, 2] global centre positions) and the expert route along it."""
+    probe = ego_path[:: max(1, len(ego_path) // 40)]
+    probe = np.vstack([probe, ego_path[-1:]])
+    chosen = []
+    for fid, lane in m.lanes.items():
+        d = np.linalg.norm(lane.baseline[:, None, :] - probe[None], axis=-1).min()
+        if d <= radius:
+            chosen.append(fid)
+    if not chosen:
+        raise ValueError(f"{name}: no lanes of map '{m.name}' within {radius} m of the ego path")
+    index = {fid: i for i, fid in enumerate(chosen)}
+    width, limit = {}, {}
+    for fid in chosen:
+        lane = m.lanes[fid]
+        length = max(polyline_length(lane.baseline), 1e-3)
+        w = polygon_area(lane.polygon[0]) / length if lane.polygon else 0.0
+        width[fid] = float(np.clip(w, 2.5, 6.0)) if w > 0 else None
+        limit[fid] = float(lane.speed_limit) if lane.speed_limit else None
+    for fid in chosen:
+        lane = m.lanes[fid]
+        adj = [a for a in (lane.exit_lane, lane.entry_lane) if a in m.lanes]
+        if width[fid] is None:
+            ws = [width.get(a) or 3.5 for a in adj]
+            width[fid] = float(np.mean(ws)) if ws else 3.5
+        if limit[fid] is None:
+            ls = [float(m.lanes[a].speed_limit) for a in adj if m.lanes[a].speed_limit]
+            limit[fid] = max(ls) if ls else DEFAULT_SPEED_LIMIT
+    # junction ids: one per intersection, and one per connector group outside any intersection
+    junction_ids: dict[str, int] = {}
+    lanes: list[Lane] = []
+    for fid in chosen:
+        lane = m.lanes[fid]
+        succ = []
+        if lane.is_connector:
+            if lane.entry_lane in index:
+                succ.append(index[lane.entry_lane])
+            key = m.roadblock_connector_intersection.get(lane.group) or f"g{lane.group}"
+            junction = junction_ids.setdefault(key, len(junction_ids))
+        else:
+            succ = [index[c] for c, l2 in m.lanes.items() if l2.is_connector and l2.exit_lane == fid and c in index]
+            junction = -1
+        lanes.append(Lane(points=lane.baseline - origin, width=width[fid], speed_limit=limit[fid],
+                          is_junction=lane.is_connector, successors=succ, junction=junction))
+    by_group: dict[str, dict[int, str]] = {}
+    for fid in chosen:
+        lane = m.lanes[fid]
+        if not lane.is_connector:
+            by_group.setdefault(lane.group, {})[lane.lane_index] = fid
+    for fid in chosen:
+        lane = m.lanes[fid]
+        if lane.is_connector:
+            continue
+        grp = by_group[lane.group]
+        for side, delta in (("left", -1), ("right", 1)):
+            nb = grp.get(lane.lane_index + delta)
+            if nb is not None:
+                setattr(lanes[index[fid]], side, index[nb])
+                setattr(lanes[index[fid]], f"{side}_marking", MARK_BROKEN)
+            else:
+                setattr(lanes[index[fid]], f"{side}_marking", MARK_SOLID)
+    # expert route first: the light groups prefer the connectors it uses
+    route = expert_route(lanes, chosen, m, ego_path - origin, route_roadblocks, route_extension, name)
+    route_lanes = {chosen[i] for i in np.unique(route.lanes)}
+    stop_lines, groups, light_connectors = [], [], []
+    base_junction = len(junction_ids)
+    for fid in chosen:
+        if m.lanes[fid].is_connector:
+            continue
+        outs = [c for c in chosen if m.lanes[c].is_connector and m.lanes[c].exit_lane == fid and int(c) in light_ids]
+        if not outs:
+            continue
+        pick = next((c for c in outs if c in route_lanes), outs[0])
+        g = len(groups)
+        groups.append(LightGroup(junction=base_junction + g, phase=0, num_phases=1))
+        stop_lines.append(StopLine(lane=index[fid], control=CONTROL_LIGHT, light_group=g))
+        light_connectors.append(int(pick))
+    crosswalks = [quad(cw[0]) - origin for cw in m.crosswalks
+                  if cw and np.linalg.norm(cw[0].mean(0) - probe, axis=1).min() <= radius]
+    graph = LaneGraph.build(name, lanes, stop_lines, groups,
+                            crosswalks=np.array(crosswalks) if crosswalks else None,
+                            meta={"source": "nuplan", "map": m.name, "version": m.version})
+    return Patch(graph=graph, lane_fids=chosen, light_connectors=light_connectors, route=route)
+
+
+def _nearest_lane(lanes: list[Lane], p: np.ndarray, heading: float, prefer: set[int]) -> int:
+    """Lane whose centreline is nearest to ``p`` among those pointing within 60° of ``heading``; ``prefer``
+    (route roadblock lanes) wins ties within 1 m."""
+    best, best_d = 0, np.inf
+    for i, lane in enumerate(lanes):
+        pts = lane.points
+        d = np.linalg.norm(pts - p, axis=1)
+        k = int(d.argmin())
+        seg = pts[min(k + 1, len(pts) - 1)] - pts[max(k - 1, 0)]
+        ang = np.arctan2(seg[1], seg[0])
+        if np.cos(ang - heading) < 0.5:
+            continue
+        dist = d[k] - (1.0 if i in prefer else 0.0)
+        if dist < best_d:
+            best, best_d = i, dist
+    return best
+
+
+def expert_route(lanes: list[Lane], fids: list[str], m: NuplanMap, path: np.ndarray, roadblocks: list[str],
+                 extension: float, name: str) -> Route:
+    """The logged ego path (local frame) resampled at 1 m, each point tagged with its lane, extended ``extension``
+    metres along the lanes past the expert's last pose (so the ego can drive on where the log stops)."""
+    keep = np.concatenate([[True], np.linalg.norm(np.diff(path, axis=0), axis=1) > 0.05])
+    p = path[keep]
+    prefer = {i for i, f in enumerate(fids) if m.lanes[f].group in set(roadblocks)}
+    if len(p) >= 2:
+        cum = np.concatenate([[0.0], np.cumsum(np.linalg.norm(np.diff(p, axis=0), axis=1))])
+        s = np.arange(0.0, cum[-1], 1.0)
+        pts = np.stack([np.interp(s, cum, p[:, 0]), np.interp(s, cum, p[:, 1])], -1)
+    else:
+        pts = p[:1]
+    if len(pts) > 1:
+        g = np.gradient(pts, axis=0)
+        head = np.arctan2(g[:, 1], g[:, 0])
+    if len(pts) == 1:  # a standing expert: take the heading of the lane under it
+        i = int(np.argmin([np.linalg.norm(l.points - pts[0], axis=1).min() for l in lanes]))
+        d = lanes[i].points
+        k = int(np.linalg.norm(d - pts[0], axis=1).argmin())
+        seg = d[min(k + 1, len(d) - 1)] - d[max(k - 1, 0)]
+        head = np.array([np.arctan2(seg[1], seg[0])])
+    lane_of = np.array([_nearest_lane(lanes, q, h, prefer) for q, h in zip(pts, head)], np.int64)
+    # extend along the lane centre (and its successors, preferring route roadblocks)
+    ext, lane, cur = [], int(lane_of[-1]), pts[-1]
+    remaining = extension
+    ext_lanes = []
+    visited = 0
+    while remaining > 0 and visited < 20:
+        visited += 1
+        c = lanes[lane].points
+        k = int(np.linalg.norm(c - cur, axis=1).argmin())
+        tail = c[k + 1:]
+        for q in tail:
+            step = float(np.linalg.norm(q - cur))
+            if step < 1.0:
+                continue
+            n_sub = int(step // 1.0)
+            for j in range(1, n_sub + 1):
+                ext.append(cur + (q - cur) * j / step)  # 1 m steps towards q
+                ext_lanes.append(lane)
+            cur = ext[-1]
+            remaining = extension - len(ext)
+            if remaining <= 0:
+                break
+        if remaining <= 0 or not lanes[lane].successors:
+            break
+        succ = lanes[lane].successors
+        lane = next((s for s in succ if s in prefer), succ[0])
+    if ext:
+        pts = np.vstack([pts, np.array(ext)])
+        lane_of = np.concatenate([lane_of, np.array(ext_lanes, np.int64)])
+    if len(pts) < 3:
+        raise ValueError(f"{name}: expert route has {len(pts)} points; the map patch has no lane to extend it")
+    return Route(name=name, points=pts.astype(np.float32), lanes=lane_of.astype(np.int32))
