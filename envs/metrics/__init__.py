@@ -1,0 +1,1 @@
+"""Benchmark scores computed from simulated runs (nuPlan closed-loop score)."""

@@ -1,0 +1,124 @@
+"""nuPlan closed-loop score: hand-computed cases for every multiplier and weighted metric."""
+import math
+
+import numpy as np
+import pytest
+
+from envs.metrics import nuplan as M
+
+pytestmark = pytest.mark.nuplan
+EGO_HALF = np.array([2.588, 1.1485])
+CAR_HALF = np.array([2.4, 1.0])
+
+
+def test_collision_classification_and_fault():
+    ego = (np.zeros(2), 0.0, EGO_HALF)
+    # ego stopped -> STOPPED_EGO (never at fault)
+    assert M.collision_type(*ego, 0.0, np.array([4.0, 0.0]), 0.0, CAR_HALF, 5.0, False) == "STOPPED_EGO"
+    # object static -> STOPPED_TRACK (at fault)
+    kind = M.collision_type(*ego, 3.0, np.array([4.5, 0.0]), 0.0, CAR_HALF, 0.0, False)
+    assert kind == "STOPPED_TRACK" and M.is_at_fault(kind, False)
+    # moving object behind (180° from the heading) -> ACTIVE_REAR, not at fault
+    kind = M.collision_type(*ego, 3.0, np.array([-4.5, 0.0]), 0.0, CAR_HALF, 5.0, False)
+    assert kind == "ACTIVE_REAR" and not M.is_at_fault(kind, True)
+    # moving object overlapping the front edge -> ACTIVE_FRONT
+    kind = M.collision_type(*ego, 3.0, np.array([4.5, 0.0]), 0.0, CAR_HALF, 2.0, False)
+    assert kind == "ACTIVE_FRONT" and M.is_at_fault(kind, False)
+    # moving object at the side (90°), not touching the front edge -> LATERAL: at fault only in a lane change
+    kind = M.collision_type(*ego, 3.0, np.array([0.0, 2.2]), 0.0, CAR_HALF, 2.0, False)
+    assert kind == "ACTIVE_LATERAL"
+    assert not M.is_at_fault(kind, False) and M.is_at_fault(kind, True)
+
+
+def test_collision_score():
+    assert M.collision_score({}) == 1.0
+    assert M.collision_score({"vehicle": 1}) == 0.0
+    assert M.collision_score({"vru": 1}) == 0.0
+    assert M.collision_score({"object": 1}) == 0.5  # 1 - 1/2
+    assert M.collision_score({"object": 2}) == 0.0
+
+
+def test_drivable_area_compliance():
+    assert M.drivable_area_compliance(np.zeros((10, 4))) == 1.0
+    assert M.drivable_area_compliance(np.full((10, 4), 0.29)) == 1.0
+    c = np.zeros((10, 4))
+    c[5, 2] = 0.3
+    assert M.drivable_area_compliance(c) == 0.0
+
+
+def test_driving_direction_compliance():
+    dt = 0.1
+    assert M.driving_direction_compliance(np.full(50, 0.5), dt) == 1.0
+    # 10 steps of -0.19 m: worst 1 s sum = -1.9 m -> 1
+    assert M.driving_direction_compliance(np.r_[np.ones(5), np.full(10, -0.19)], dt) == 1.0
+    # -0.3 m per step for 1 s: -3 m -> 0.5
+    assert M.driving_direction_compliance(np.r_[np.ones(5), np.full(20, -0.3)], dt) == 0.5
+    # -0.7 m per step: -7 m in 1 s -> 0
+    assert M.driving_direction_compliance(np.full(12, -0.7), dt) == 0.0
+
+
+def test_progress_ratio_and_making_progress():
+    assert M.progress_ratio(50.0, 100.0) == 0.5
+    assert M.progress_ratio(1.0, 1.5) == 1.0  # both floored at 2 m
+    assert M.progress_ratio(1.0, 20.0) == pytest.approx(0.1)  # max(1, 2) / 20
+    assert M.progress_ratio(-3.0, 20.0) == 0.0
+    assert M.progress_ratio(0.0, None) == 1.0
+    assert M.making_progress(0.2) == 1.0 and M.making_progress(0.19) == 0.0
+
+
+def _ttc(ego_speed: float, obj_x: float, obj_speed: float, obj_y: float = 0.0, obj_yaw: float = 0.0) -> float:
+    T = 3
+    return M.time_to_collision_within_bound(
+        np.zeros((T, 2)), np.zeros(T), np.full(T, ego_speed), EGO_HALF,
+        np.tile([[obj_x, obj_y]], (T, 1, 1)), np.full((T, 1), obj_yaw), np.full((T, 1), obj_speed),
+        np.tile(CAR_HALF, (T, 1, 1)), np.ones((T, 1), bool))
+
+
+def test_time_to_collision():
+    # gap between boxes: 10 - 2.588 - 2.4 = 5.012 m; closing at 10 m/s -> TTC 0.50 s < 0.95 -> 0
+    assert _ttc(10.0, 10.0, 0.0) == 0.0
+    # closing at 4 m/s -> 1.25 s > 0.95 -> 1
+    assert _ttc(4.0, 10.0, 0.0) == 1.0
+    # ego stopped: TTC infinite -> 1
+    assert _ttc(0.0, 5.5, 0.0) == 1.0
+    # the object is behind the ego (not within 30° ahead) -> ignored
+    assert _ttc(10.0, -10.0, 20.0) == 1.0
+    # an at-fault collision sets TTC to 0
+    T = 2
+    assert M.time_to_collision_within_bound(np.zeros((T, 2)), np.zeros(T), np.ones(T), EGO_HALF, np.zeros((T, 0, 2)),
+                                            np.zeros((T, 0)), np.zeros((T, 0)), np.zeros((T, 0, 2)),
+                                            np.zeros((T, 0), bool), at_fault_collision=np.array([False, True])) == 0.0
+
+
+def test_speed_limit_compliance():
+    limit = np.full(11, 10.0)
+    assert M.speed_limit_compliance(np.full(11, 9.0), limit) == 1.0
+    # 1 m/s over for all 11 samples: 1 - 11*0.1*1 / (2.23 * 1.0)
+    assert M.speed_limit_compliance(np.full(11, 11.0), limit) == pytest.approx(1 - 1.1 / 2.23)
+    assert M.speed_limit_compliance(np.full(11, 20.0), limit) == 0.0
+
+
+def test_comfort():
+    t = np.arange(151) * 0.1
+    gentle = np.minimum(t, 8.0) * 1.0  # 1 m/s² then cruise
+    assert M.ego_is_comfortable(M.comfort_signals(gentle, np.zeros_like(t))) == 1.0
+    hard_brake = np.maximum(10.0 - 6.0 * t, 0.0)  # -6 m/s² < -4.05
+    assert M.ego_is_comfortable(M.comfort_signals(hard_brake, np.zeros_like(t))) == 0.0
+    spin = 1.2 * t  # yaw rate 1.2 rad/s > 0.95
+    assert M.ego_is_comfortable(M.comfort_signals(np.full_like(t, 0.5), spin)) == 0.0
+    # the SG filter reproduces a quadratic's derivative exactly
+    x = 0.5 * 3.0 * t ** 2
+    assert np.allclose(M.savgol(x, 15, 2, 1, 0.1), 3.0 * t, atol=1e-6)
+
+
+def test_scenario_score_and_aggregate():
+    mult = {k: 1.0 for k in M.MULTIPLIERS}
+    w = {"ego_progress": 0.5, "time_to_collision": 1.0, "speed_limit": 1.0, "comfort": 0.0}
+    s = M.ScenarioScore("a", "t1", mult, w)
+    assert s.score == pytest.approx((5 * 0.5 + 5 + 4 + 0) / 16)
+    s0 = M.ScenarioScore("b", "t2", {**mult, "driving_direction_compliance": 0.5}, {k: 1.0 for k in M.WEIGHTS})
+    assert s0.score == 0.5
+    agg = M.aggregate([s, s0])
+    assert agg["score"] == pytest.approx((s.score + 0.5) / 2)
+    assert agg["type/t2"] == 0.5 and agg["num_scenarios"] == 2
+    assert math.isnan(M.aggregate([])["score"])
