@@ -273,10 +273,8 @@ def make_handlers(w: World) -> dict[str, Callable[..., Any]]:
         return ok(w.actors.pop(actor_id, None) is not None)
 
     def bounding_box(actor_id: int) -> list:
-        a = w.find(actor_id)
-        if a is None:
-            raise RpcFailure(f"actor {actor_id} not found")
-        return ok(a.rpc()[3])
+        a = w.find(actor_id)  # an unknown id (the client-side TM asks after destroy) gets an empty box, no error:
+        return ok(a.rpc()[3] if a is not None else [[0.0] * 3, [0.0] * 3, [0.0] * 3])  # an error aborts the client
 
     def actors_by_id(ids: list) -> list:
         return ok([a.rpc() for a in (w.find(i) for i in ids) if a is not None])
@@ -289,7 +287,8 @@ def make_handlers(w: World) -> dict[str, Callable[..., Any]]:
 
     def apply_batch(commands: list, do_tick: bool = False) -> list:
         out = []
-        for index, payload in commands:
+        for command in commands:  # Command = [variant]; variant = [index, payload]
+            index, payload = command[0]
             if index == 2:  # ApplyVehicleControl [id, control]
                 apply_control(payload[0], payload[1])
             out.append([[1, payload[0] if isinstance(payload, list) and payload else 0]])

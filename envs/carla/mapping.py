@@ -1,0 +1,117 @@
+"""CARLA world -> the built-in simulator's state language: the map, the route bank and the actor tensors.
+
+CARLA is left-handed (x forward, y right, yaw clockwise in degrees); the simulator is right-handed (``(x, y)_ours =
+(x, -y)_carla``, yaw counter-clockwise in radians), see :mod:`envs.maps.opendrive`. Background actors in CARLA have
+no lane coordinates, so only the fields the observation and infraction code read are filled: ``xy``, ``yaw``,
+``speed``, ``half`` and ``valid`` (plus ``moving`` for pedestrians).
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from envs.maps.lanegraph import LaneGraph, MapError
+from envs.maps.opendrive import carla_to_world, carla_yaw_to_world, load_town
+from envs.routes import parse_leaderboard_xml, plan_route, random_routes
+from envs.sim.agents import PEDESTRIAN_HALF, Pedestrians, Vehicles
+from envs.sim.config import SimConfig
+from envs.sim.world import World, build_world
+
+EVAL_ROUTE_SEED = 7919  # the built-in simulator's seed for the held-out random route bank
+
+
+def graph_from_xodr(xodr: str, town: str, cache_dir: str | Path | None = None) -> LaneGraph:
+    """Compile OpenDRIVE text (``world.get_map().to_opendrive()``) into a :class:`LaneGraph`.
+
+    Goes through :func:`envs.maps.opendrive.load_town` on a temporary copy, so the compiled graph is cached under
+    the text's hash and a server serving the same Town file as ``../shared/data/carla/maps`` hits the same cache.
+    """
+    with tempfile.TemporaryDirectory(prefix="carl-xodr-") as d:
+        (Path(d) / f"{town}.xodr").write_text(xodr)
+        return load_town(town, maps_dir=d, cache_dir=cache_dir)
+
+
+def town_routes(graph: LaneGraph, town: str, cfg: SimConfig, route_seed: int = 0) -> list:
+    """The route bank for ``town``: the route file's routes on it, else the simulator's random routes."""
+    if cfg.route_file:
+        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
+                  if t == town]
+        if not routes:
+            raise MapError(f"route file {cfg.route_file} has no routes for town '{town}'; set env.options.town to a "
+                           "town it uses")
+        return routes
+    seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
+    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed)
+
+
+def route_towns(route_file: str) -> list[str]:
+    """Towns a Leaderboard route file uses, in first-appearance order."""
+    return list(dict.fromkeys(t for _, t, _ in parse_leaderboard_xml(route_file)))
+
+
+def build_carla_world(graph: LaneGraph, town: str, cfg: SimConfig, device: torch.device) -> World:
+    return build_world(graph, town_routes(graph, town, cfg), cfg, device)
+
+
+@dataclass
+class Reading:
+    """Poses of one kind of actor at one tick, in OUR frame: xy [N, 2], yaw [N], speed [N], half [N, 2]."""
+
+    xy: np.ndarray
+    yaw: np.ndarray
+    speed: np.ndarray
+    half: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "Reading":
+        return cls(np.zeros((0, 2), np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                   np.zeros((0, 2), np.float32))
+
+    @classmethod
+    def from_carla(cls, x: np.ndarray, y: np.ndarray, yaw_deg: np.ndarray, vx: np.ndarray, vy: np.ndarray,
+                   half: np.ndarray) -> "Reading":
+        """From CARLA-frame arrays (positions, yaw in degrees, velocity, bounding-box half extents [N, 2])."""
+        wx, wy = carla_to_world(np.asarray(x, np.float64), np.asarray(y, np.float64))
+        return cls(np.stack([wx, wy], -1).astype(np.float32).reshape(-1, 2),
+                   np.asarray(carla_yaw_to_world(np.asarray(yaw_deg, np.float64)), np.float32).reshape(-1),
+                   np.hypot(vx, vy).astype(np.float32).reshape(-1), np.asarray(half, np.float32).reshape(-1, 2))
+
+    def nearest(self, centre: np.ndarray, n: int) -> tuple["Reading", np.ndarray]:
+        """The ``n`` actors nearest to ``centre`` (padded), and the validity mask [n]."""
+        order = np.argsort(np.linalg.norm(self.xy - centre, axis=-1))[:n] if len(self.xy) else np.zeros(0, int)
+        k = len(order)
+        pad = lambda a, width: np.concatenate([a[order], np.zeros((n - k, *a.shape[1:]), a.dtype)])  # noqa: E731
+        valid = np.arange(n) < k
+        return Reading(pad(self.xy, 2), pad(self.yaw, 1), pad(self.speed, 1), pad(self.half, 2)), valid
+
+
+def fill_vehicles(veh: Vehicles, reading: Reading, ego_xy: torch.Tensor) -> None:
+    """Write the nearest vehicles of ``reading`` into the batch-of-one tensors ``veh`` ([1, N])."""
+    n = veh.xy.shape[1]
+    r, valid = reading.nearest(ego_xy[0].cpu().numpy(), n)
+    dev = veh.xy.device
+    veh.xy = torch.as_tensor(r.xy, device=dev).unsqueeze(0)
+    veh.yaw = torch.as_tensor(r.yaw, device=dev).unsqueeze(0)
+    veh.speed = torch.as_tensor(r.speed, device=dev).unsqueeze(0)
+    veh.half = torch.as_tensor(r.half, device=dev).unsqueeze(0)
+    veh.valid = torch.as_tensor(valid, device=dev).unsqueeze(0)
+
+
+def fill_pedestrians(ped: Pedestrians, reading: Reading, ego_xy: torch.Tensor, moving_speed: float = 0.1) -> None:
+    """Write the nearest walkers of ``reading`` into ``ped`` ([1, P]); ``moving`` = faster than ``moving_speed``."""
+    n = ped.xy.shape[1]
+    r, valid = reading.nearest(ego_xy[0].cpu().numpy(), n)
+    dev = ped.xy.device
+    ped.xy = torch.as_tensor(r.xy, device=dev).unsqueeze(0)
+    ped.yaw = torch.as_tensor(r.yaw, device=dev).unsqueeze(0)
+    ped.speed = torch.as_tensor(r.speed, device=dev).unsqueeze(0)
+    ped.moving = ped.speed > moving_speed
+    ped.valid = torch.as_tensor(valid, device=dev).unsqueeze(0)
+
+
+__all__ = ["PEDESTRIAN_HALF", "Reading", "build_carla_world", "fill_pedestrians", "fill_vehicles", "graph_from_xodr",
+           "route_towns", "town_routes"]
