@@ -234,7 +234,7 @@ def ok(value: Any) -> list:
 VOID = [[False]]
 
 
-def make_handlers(w: World) -> dict[str, Callable[..., Any]]:
+def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., Any]]:
     """The RPC methods the env-worker path needs; each returns the msgpack-ready result."""
 
     def load_new_episode(name: str, reset_settings: bool = True, layers: int = 0xFFFF) -> list:
@@ -303,7 +303,7 @@ def make_handlers(w: World) -> dict[str, Callable[..., Any]]:
         return ok(new)
 
     return {
-        "version": lambda: ok(VERSION),
+        "version": lambda: ok(version),
         "get_available_maps": lambda: ok([f"/Game/Carla/Maps/{t}" for t in sorted(w.maps)]),
         "load_new_episode": load_new_episode,
         "get_episode_info": lambda: ok([w.episode, [w.token()]]),
@@ -428,8 +428,8 @@ def _async_ticker(w: World, period: float = 0.05) -> None:
                 w.tick()
 
 
-def serve(rpc_port: int, stream_port: int, maps: dict[str, Path], town: str, host: str = "127.0.0.1"
-          ) -> tuple[_Server, _Server]:
+def serve(rpc_port: int, stream_port: int, maps: dict[str, Path], town: str, host: str = "127.0.0.1",
+          version: str = VERSION) -> tuple[_Server, _Server]:
     """Start the RPC and streaming servers in background threads; returns them (call ``shutdown()`` to stop)."""
     world = World(maps, town, stream_port)
     threading.Thread(target=_async_ticker, args=(world,), daemon=True, name="standin-async").start()
@@ -437,7 +437,7 @@ def serve(rpc_port: int, stream_port: int, maps: dict[str, Path], town: str, hos
     for port, handler in ((rpc_port, _RpcHandler), (stream_port, _StreamHandler)):
         srv = _Server((host, port), handler)
         srv.world = world  # type: ignore[attr-defined]
-        srv.handlers = make_handlers(world)  # type: ignore[attr-defined]
+        srv.handlers = make_handlers(world, version)  # type: ignore[attr-defined]
         threading.Thread(target=srv.serve_forever, daemon=True, name=f"standin-{port}").start()
         servers.append(srv)
     return servers[0], servers[1]
@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--maps-dir", default=None, help="folder of <Town>.xodr files load_world may switch to")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--verbose", action="store_true", help="log every RPC")
+    p.add_argument("--report-version", default=VERSION, help="version string to report (tests of mismatch errors)")
     args = p.parse_args(_normalise_carla_flags(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = Path(args.map)
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.maps_dir:
         maps.update({f.stem: f for f in sorted(Path(args.maps_dir).glob("*.xodr"))})
     stream_port = args.streaming_port or args.port + 1
-    rpc, stream = serve(args.port, stream_port, maps, start.stem, args.host)
+    rpc, stream = serve(args.port, stream_port, maps, start.stem, args.host, args.report_version)
     log.info("stand-in CARLA %s serving %s on rpc %d / streaming %d (a test double, not a simulator)", VERSION,
              start.stem, args.port, stream_port)
     stop = threading.Event()

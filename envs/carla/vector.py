@@ -1,0 +1,242 @@
+"""N CARLA workers, one subprocess and one CARLA server each, behind :class:`envs.api.BatchedEnv`.
+
+Each worker process owns one :class:`envs.carla.worker.CarlaWorker` (and, with ``launch``, its
+:class:`envs.carla.servers.CarlaServer` on a port block the parent allocated, so blocks never clash). Workers run in
+their own processes because the ``carla`` client aborts its whole process on malformed data or errors in its
+background threads. Crashes inside a worker (server death, client time-outs) are handled by the worker itself; if a
+worker *process* dies, the parent kills its server's process group, starts a fresh worker on the same ports,
+truncates that row's episode and counts the restart. Observations and rewards come back as numpy arrays and are
+stacked into tensors on the trainer's device.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from envs.api import BatchedEnv, StepResult, TensorSpec
+from envs.carla.servers import CarlaServer, PortAllocator, PortBlock, resolve_executable
+from envs.carla.worker import CarlaConfig, CarlaError, split_options
+from envs.sim.config import SimConfig
+
+log = logging.getLogger(__name__)
+
+READY_SLACK = 120.0  # seconds on top of the server's ready_timeout for a worker to come up (map compile, routes)
+
+
+def _to_numpy(d: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in d.items()}
+
+
+def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int) -> None:
+    """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests."""
+    from envs.carla.worker import CarlaWorker  # noqa: PLC0415 - imported in the child
+
+    server = None
+    env = None
+    try:
+        if ccfg.launch:
+            server = CarlaServer(resolve_executable(ccfg.executable), block, log_dir=__import__("pathlib").Path(
+                ccfg.log_dir), host=ccfg.host, gpu=(ccfg.gpus[seed % len(ccfg.gpus)] if ccfg.gpus else None),
+                no_rendering=ccfg.no_rendering, extra_args=ccfg.extra_args, ready_timeout=ccfg.ready_timeout,
+                check_version=ccfg.check_version)
+            server.start()
+            conn.send(("server", server.proc.pid))
+            server.wait_ready()
+        env = CarlaWorker(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
+        conn.send(("ready", {k: (v.shape, str(v.dtype), v.low, v.high) for k, v in env.observation_spec.items()}))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "reset":
+                conn.send(("ok", _to_numpy(env.reset(arg))))
+            elif cmd == "step":
+                r = env.step(torch.as_tensor(arg).unsqueeze(0))
+                conn.send(("ok", (_to_numpy(r.obs), r.reward.numpy(), r.terminated.numpy(), r.truncated.numpy(),
+                                  _to_numpy(r.info))))
+            elif cmd == "state":
+                conn.send(("ok", env.state_dict()))
+            elif cmd == "close":
+                break
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except Exception as e:  # noqa: BLE001 - report everything to the parent, which raises it
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+    finally:
+        if env is not None:
+            env.close()
+        elif server is not None:
+            server.kill()
+
+
+class CarlaVectorEnv(BatchedEnv):
+    """``num_envs`` CARLA workers stepped together; tensors on ``device``; automatic reset (inside each worker)."""
+
+    def __init__(self, ccfg: CarlaConfig, scfg: SimConfig, num_envs: int, device: str | torch.device = "cpu",
+                 seed: int = 0):
+        if num_envs < 1:
+            raise ValueError(f"num_envs={num_envs}: need at least one environment")
+        self.ccfg, self.scfg = ccfg.validate(), scfg.validate()
+        self.num_envs, self.device, self.seed = num_envs, torch.device(device), seed
+        if ccfg.launch:
+            resolve_executable(ccfg.executable)  # fail fast, before any process starts
+            self.blocks = PortAllocator(ccfg.base_port, ccfg.port_stride, host=ccfg.host).allocate_many(num_envs)
+        else:  # external servers: server i listens on base_port + i * port_stride
+            self.blocks = [PortBlock.at(ccfg.base_port + i * ccfg.port_stride) for i in range(num_envs)]
+        self.ctx = mp.get_context(ccfg.start_method)
+        self.procs: list[Any] = [None] * num_envs
+        self.conns: list[Connection | None] = [None] * num_envs
+        self.server_pids: list[int | None] = [None] * num_envs
+        self.process_restarts = 0
+        self._closed = False
+        try:
+            for i in range(num_envs):
+                self._spawn(i)
+            specs = [self._await_ready(i) for i in range(num_envs)]
+        except BaseException:
+            self.close()
+            raise
+        self.observation_spec = {k: TensorSpec(tuple(shape), getattr(torch, dtype.split(".")[-1]), low, high)
+                                 for k, (shape, dtype, low, high) in specs[0].items()}
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, i: int) -> None:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, self.scfg, self.blocks[i],
+                                                        self.seed + i), daemon=True, name=f"carla-worker-{i}")
+        p.start()
+        child.close()
+        self.procs[i], self.conns[i], self.server_pids[i] = p, parent, None
+
+    def _await_ready(self, i: int) -> dict:
+        timeout = self.ccfg.ready_timeout + READY_SLACK
+        while True:
+            kind, payload = self._recv(i, timeout)
+            if kind == "server":
+                self.server_pids[i] = payload
+            elif kind == "ready":
+                return payload
+            else:
+                raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}) failed to start: {payload}")
+
+    def _recv(self, i: int, timeout: float | None = None) -> tuple[str, Any]:
+        conn = self.conns[i]
+        if timeout is not None and not conn.poll(timeout):
+            raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}) gave no answer within {timeout:.0f} s")
+        msg = conn.recv()  # EOFError if the process died
+        if msg[0] == "error":
+            raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}): {msg[1]}")
+        return msg
+
+    def _replace(self, i: int) -> dict[str, np.ndarray]:
+        """A worker process died: kill its server's process group, start a new worker, return its first obs."""
+        self.process_restarts += 1
+        log.warning("CARLA worker %d died; restarting it (process restart #%d)", i, self.process_restarts)
+        if self.server_pids[i] is not None:
+            try:
+                os.killpg(self.server_pids[i], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.procs[i].join(timeout=5.0)
+        self._spawn(i)
+        self._await_ready(i)
+        self.conns[i].send(("reset", self.seed + 7919 * self.process_restarts + i))
+        return self._recv(i)[1]
+
+    # ------------------------------------------------------------------ BatchedEnv
+    def _stack(self, rows: list[dict[str, np.ndarray]]) -> dict[str, Tensor]:
+        return {k: torch.as_tensor(np.concatenate([r[k] for r in rows])).to(self.device) for k in rows[0]}
+
+    def reset(self, seed: int | None = None) -> dict[str, Tensor]:
+        if seed is not None:
+            self.seed = seed
+        for i, c in enumerate(self.conns):
+            c.send(("reset", None if seed is None else seed + i))
+        return self._stack([self._recv(i)[1] for i in range(self.num_envs)])
+
+    def step(self, action: Tensor) -> StepResult:
+        action = torch.as_tensor(action, dtype=torch.float32)
+        if action.shape != (self.num_envs, 2):
+            raise ValueError(f"action has shape {tuple(action.shape)}; expected ({self.num_envs}, 2)")
+        if torch.isnan(action).any():
+            raise ValueError("action contains NaN; actions must be finite in [-1, 1]")
+        a = action.clamp(-1.0, 1.0).cpu().numpy()
+        for i, c in enumerate(self.conns):
+            c.send(("step", a[i]))
+        obs, rew, term, trunc, infos = [], [], [], [], []
+        for i in range(self.num_envs):
+            try:
+                o, r, te, tr, info = self._recv(i)[1]
+                lost = False
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                o, lost = self._replace(i), True
+                r, te, tr = np.zeros(1, np.float32), np.zeros(1, bool), np.ones(1, bool)
+                info = None
+            obs.append(o)
+            rew.append(r)
+            term.append(te)
+            trunc.append(tr)
+            infos.append((info, lost))
+        keys = next((inf.keys() for inf, _ in infos if inf is not None), ())
+        merged: dict[str, Tensor] = {}
+        for k in keys:  # a replaced worker's row has no episode statistics: zeros, done, counted as a crash
+            merged[k] = torch.as_tensor(np.concatenate([
+                inf[k] if inf is not None else np.zeros_like(next(x for x, _ in infos if x is not None)[k])
+                for inf, _ in infos])).to(self.device)
+        lost_rows = torch.tensor([lost for _, lost in infos], device=self.device)
+        if "done" in merged:
+            merged["done"] = merged["done"] | lost_rows
+        if "carla/crash" in merged:
+            merged["carla/crash"] = torch.maximum(merged["carla/crash"], lost_rows.float())
+        merged["carla/process_restarts"] = torch.full((self.num_envs,), float(self.process_restarts),
+                                                      device=self.device)
+        return StepResult(self._stack(obs), torch.as_tensor(np.concatenate(rew)).to(self.device),
+                          torch.as_tensor(np.concatenate(term)).to(self.device),
+                          torch.as_tensor(np.concatenate(trunc)).to(self.device), merged)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self.conns:
+            if c is not None:
+                try:
+                    c.send(("close", None))
+                except (OSError, BrokenPipeError):
+                    pass
+        for i, p in enumerate(self.procs):
+            if p is None:
+                continue
+            p.join(timeout=15.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+            if self.server_pids[i] is not None:
+                try:
+                    os.killpg(self.server_pids[i], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def make_carla_env(num_envs: int, device: str | torch.device = "cpu", seed: int = 0, **options: Any
+                   ) -> CarlaVectorEnv:
+    """``env=carla``: validate ``options`` (CARLA keys of :class:`CarlaConfig` plus :class:`SimConfig` keys) and
+    start ``num_envs`` workers, each on its own CARLA server."""
+    ccfg, scfg = split_options(options)
+    return CarlaVectorEnv(ccfg, scfg, num_envs, device, seed)
