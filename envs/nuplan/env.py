@@ -1,0 +1,390 @@
+"""The nuPlan environment: the built-in simulator in log-replay mode, batched across cached scenarios.
+
+``NuplanEnv`` subclasses :class:`~envs.sim.env.SimEnv` and replaces only what moves the world:
+
+* ``_initial_state``: a scenario per environment (random for training, fixed order for evaluation), the ego at its
+  logged start pose and speed, agents and traffic lights at the first frame;
+* ``_move_ego``: nuPlan's kinematic bicycle model (rear-axle reference, first-order lags of 0.2 s on acceleration
+  and 0.05 s on steering) driven by CaRL's nuPlan action mapping (``carl-reference.md`` §16);
+* ``_move_actors``: agents replayed from the log (non-reactive), or vehicles driven by the shared lane-following
+  IDM from their logged start (reactive; pedestrians and static objects stay replayed); logged traffic-light
+  states are written into the light model.
+
+Observation, infractions and reward are the shared ones. Every cached scenario's map patch is laid out on one
+grid (each in its own cell) so one ``World`` holds them all and the step stays a fixed sequence of tensor ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from envs.maps.lanegraph import LaneGraph
+from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario, build_cache, list_cache, load
+from envs.routes import Route
+from envs.sim import agents
+from envs.sim.agents import Pedestrians, Statics, Vehicles
+from envs.sim.config import ConfigError, SimConfig, from_dict
+from envs.sim.env import HISTORY, SimEnv, SimState
+from envs.sim.geometry import wrap_angle
+from envs.sim.world import World, build_world, lane_lookup
+from envs.reward import RewardState
+from envs.sim.infractions import INFRACTIONS
+
+# Chrysler Pacifica (nuPlan ego) and CaRL's nuPlan action mapping
+WHEELBASE = 3.089
+EGO_HALF = (2.588, 1.1485)  # (4.049 + 1.127) / 2, 2.297 / 2
+MAX_ACCEL, MAX_DECEL = 2.4, 3.2
+MAX_STEER = 0.83775804  # rad (48°): target tire angle at |action| = 1
+STEER_LIMIT = math.pi / 3
+ACCEL_LAG, STEER_LAG = 0.2, 0.05  # s
+# light model: a 3 s cycle per light group; the logged state picks the time inside it
+LIGHT_PHASE = (1.0, 1.0, 1.0)  # green, yellow, all-red
+LIGHT_REL = (0.5, 1.5, 2.5, 0.5)  # green, yellow, red, unknown (shown as green)
+VEHICLE_TYPES, PEDESTRIAN_TYPES = (0, 2), (1,)
+IDM_TARGET_SPEED = 10.0  # m/s, nuPlan IDMAgents
+GRID_MARGIN = 100.0  # m between scenario map patches
+
+
+@dataclass
+class NuplanOptions:
+    """``env.options`` of ``env=nuplan`` (validated once; unknown keys are errors)."""
+
+    cache_dir: str = "data/nuplan_cache"
+    data_root: str | None = None  # build missing cache files from these logs (maps under <data_root>/maps)
+    maps_root: str | None = None
+    split: str | None = None  # e.g. "mini", "val" (nuplan-v1.1/splits/<split>)
+    split_yaml: str | None = None  # scenario filter yaml (e.g. val14_split.yaml): its tokens and types
+    tokens: tuple[str, ...] | None = None
+    log_names: tuple[str, ...] | None = None
+    scenario_types: tuple[str, ...] | None = None
+    max_scenarios: int = 64  # scenarios held by one env object (the training pool / evaluation set)
+    reactive: bool = False  # IDM vehicles instead of log replay
+    red_light: bool = False  # red-light termination (CaRL nuPlan: off)
+    route_split: str = "train"  # "train": random scenarios; "eval": each scenario once, in order
+    workers: int = 1  # cache build processes
+    sim: dict = field(default_factory=dict)  # SimConfig overrides (bev_size, reward, ...)
+
+    def validate(self) -> "NuplanOptions":
+        if self.route_split not in ("train", "eval"):
+            raise ConfigError(f"env.options.route_split={self.route_split!r}: use 'train' or 'eval'")
+        if self.max_scenarios < 1:
+            raise ConfigError(f"env.options.max_scenarios={self.max_scenarios}: must be >= 1")
+        if not self.cache_dir:
+            raise ConfigError("env.options.cache_dir: set the scenario cache folder")
+        return self
+
+
+@dataclass
+class NuplanState(SimState):
+    """SimState plus the log-replay and bicycle-model state."""
+
+    scenario: Tensor = None  # [B] index into the env's scenarios
+    ego_accel: Tensor = None  # [B] rear-axle longitudinal acceleration (lagged)
+    ego_steer: Tensor = None  # [B] tire steering angle
+
+
+def merge_graphs(graphs: list[LaneGraph], shifts: np.ndarray, name: str) -> tuple[LaneGraph, np.ndarray, np.ndarray]:
+    """Concatenate lane graphs translated by ``shifts`` [S, 2]; returns (graph, lane offset and junction offset of
+    every input)."""
+    lane_off, junc_off, group_off = [0], [0], [0]
+    for g in graphs:
+        lane_off.append(lane_off[-1] + g.num_lanes)
+        nj = int(max(g.junction.max(initial=-1), g.light_junction.max(initial=-1)) + 1)
+        junc_off.append(junc_off[-1] + nj)
+        group_off.append(group_off[-1] + len(g.light_junction))
+    cat = lambda xs, dtype=None: np.concatenate(xs).astype(dtype) if dtype else np.concatenate(xs)  # noqa: E731
+    shift_idx = lambda a, k: np.where(a >= 0, a + k, a)  # noqa: E731
+    pts_off = np.cumsum([0] + [len(g.points) for g in graphs])
+    sh_off = np.cumsum([0] + [len(g.shoulder_points) for g in graphs])
+    succ_off = np.cumsum([0] + [len(g.succ_index) for g in graphs])
+    merged = LaneGraph(
+        name=name,
+        points=cat([g.points + s for g, s in zip(graphs, shifts)], np.float32),
+        offsets=cat([[0]] + [g.offsets[1:] + pts_off[k] for k, g in enumerate(graphs)], np.int64),
+        width=cat([g.width for g in graphs]), speed_limit=cat([g.speed_limit for g in graphs]),
+        is_junction=cat([g.is_junction for g in graphs]),
+        junction=cat([shift_idx(g.junction, junc_off[k]) for k, g in enumerate(graphs)], np.int32),
+        succ_offsets=cat([[0]] + [g.succ_offsets[1:] + succ_off[k] for k, g in enumerate(graphs)], np.int64),
+        succ_index=cat([g.succ_index + lane_off[k] for k, g in enumerate(graphs)], np.int32),
+        left=cat([shift_idx(g.left, lane_off[k]) for k, g in enumerate(graphs)], np.int32),
+        right=cat([shift_idx(g.right, lane_off[k]) for k, g in enumerate(graphs)], np.int32),
+        left_marking=cat([g.left_marking for g in graphs]), right_marking=cat([g.right_marking for g in graphs]),
+        stop_lane=cat([g.stop_lane + lane_off[k] for k, g in enumerate(graphs)], np.int32),
+        stop_control=cat([g.stop_control for g in graphs]),
+        stop_light_group=cat([shift_idx(g.stop_light_group, group_off[k]) for k, g in enumerate(graphs)], np.int32),
+        light_junction=cat([g.light_junction + junc_off[k] for k, g in enumerate(graphs)], np.int32),
+        light_phase=cat([g.light_phase for g in graphs]), light_num_phases=cat([g.light_num_phases for g in graphs]),
+        crosswalks=cat([g.crosswalks.reshape(-1, 4, 2) + s for g, s in zip(graphs, shifts)], np.float32),
+        shoulder_points=cat([g.shoulder_points.reshape(-1, 2) + s for g, s in zip(graphs, shifts)], np.float32),
+        shoulder_offsets=cat([[0]] + [g.shoulder_offsets[1:] + sh_off[k] for k, g in enumerate(graphs)], np.int64),
+        shoulder_width=cat([g.shoulder_width for g in graphs]),
+        speed_signs=cat([g.speed_signs.reshape(-1, 3) + np.r_[s, 0.0] for g, s in zip(graphs, shifts)], np.float32),
+        meta={"source": "nuplan", "scenarios": len(graphs)})
+    return merged, np.array(lane_off[:-1]), np.array(junc_off[:-1])
+
+
+def grid_shifts(graphs: list[LaneGraph]) -> np.ndarray:
+    """Translations [S, 2] that put every scenario's patch in its own cell of a square grid."""
+    b = np.array([g.bounds(0.0) for g in graphs])
+    cell = float(max((b[:, 2] - b[:, 0]).max(), (b[:, 3] - b[:, 1]).max())) + GRID_MARGIN
+    cols = int(math.ceil(math.sqrt(len(graphs))))
+    k = np.arange(len(graphs))
+    centre = np.stack([(b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2], -1)
+    return np.stack([(k % cols) * cell, (k // cols) * cell], -1) - centre
+
+
+def _pad_stack(arrays: list[np.ndarray], n: int, t: int) -> np.ndarray:
+    """Stack [T_i, N_i, ...] arrays into [S, t, n, ...] (time padded by repeating the last frame)."""
+    out = np.zeros((len(arrays), t, n) + arrays[0].shape[2:], arrays[0].dtype)
+    for k, a in enumerate(arrays):
+        a = np.concatenate([a, np.repeat(a[-1:], t - len(a), 0)]) if len(a) < t else a[:t]
+        out[k, :, : a.shape[1]] = a
+    return out
+
+
+class NuplanEnv(SimEnv):
+    """Closed-loop simulation of cached nuPlan scenarios (see the module docstring)."""
+
+    def __init__(self, scenarios: list[CachedScenario], opts: NuplanOptions, num_envs: int,
+                 device: str | torch.device = "cpu", seed: int = 0):
+        if not scenarios:
+            raise ConfigError("env=nuplan: no scenarios to simulate; check env.options.cache_dir and the filters")
+        self.opts = opts
+        self.scenarios = scenarios
+        dev = torch.device(device)
+        graphs = [sc.graph for sc in scenarios]
+        shifts = grid_shifts(graphs)
+        graph, lane_off, junc_off = merge_graphs(graphs, shifts, f"nuplan_{len(scenarios)}")
+        routes = [Route(sc.token, sc.route.points + shifts[k].astype(np.float32), sc.route.lanes + lane_off[k])
+                  for k, sc in enumerate(scenarios)]
+        T = min(sc.num_frames for sc in scenarios)
+        self.num_frames = max(sc.num_frames for sc in scenarios)
+        kinds = [np.isin(sc.agent_types, VEHICLE_TYPES) for sc in scenarios]
+        peds = [np.isin(sc.agent_types, PEDESTRIAN_TYPES) for sc in scenarios]
+        n_veh = max(1, max(int(k.sum()) for k in kinds))
+        n_ped = max(1, max(int(p.sum()) for p in peds))
+        n_st = max(1, max(int((~k & ~p).sum()) for k, p in zip(kinds, peds)))
+        sim = {"map": "nuplan", "dt": 0.1, "wheelbase": WHEELBASE, "ego_half_extent": EGO_HALF,
+               "max_time": (T - 2) * 0.1 - 0.05, "num_vehicles": n_veh, "num_pedestrians": n_ped,
+               "num_statics": n_st, "route_split": opts.route_split, "light_green": LIGHT_PHASE[0],
+               "light_yellow": LIGHT_PHASE[1], "light_all_red": LIGHT_PHASE[2], "map_ppm": 2.0,
+               "cache_dir": str(Path(opts.cache_dir) / "_rasters"), "reward": {"terminal_penalty": 0.0}}
+        for k, v in opts.sim.items():
+            sim[k] = {**sim.get(k, {}), **v} if isinstance(v, dict) and isinstance(sim.get(k), dict) else v
+        cfg = from_dict(SimConfig, sim, "env.options.sim").validate()
+        world = build_world(graph, routes, cfg, dev)
+        super().__init__(cfg, num_envs, dev, seed, world=world)
+        # log tensors, world frame: [S, T, N, 7] = x, y, heading, length, width, vx, vy
+        t_pad = self.num_frames
+        f32 = lambda a: torch.as_tensor(a, dtype=torch.float32, device=dev)  # noqa: E731
+
+        def part(masks: list[np.ndarray], n: int) -> tuple[Tensor, Tensor]:
+            arr, val = [], []
+            for sc, m, s in zip(scenarios, masks, shifts):
+                a = sc.agents[:, m].copy()
+                a[..., :2] += s
+                arr.append(a)
+                val.append(sc.agent_valid[:, m])
+            return f32(_pad_stack(arr, n, t_pad)), torch.as_tensor(_pad_stack(val, n, t_pad), device=dev)
+
+        self.log_veh, self.log_veh_valid = part(kinds, n_veh)
+        self.log_ped, self.log_ped_valid = part(peds, n_ped)
+        self.log_st, self.log_st_valid = part([~k & ~p for k, p in zip(kinds, peds)], n_st)
+        ego = []
+        for sc, s in zip(scenarios, shifts):
+            e = sc.ego.copy()
+            e[:, :2] += s
+            ego.append(e[:, None])
+        self.log_ego = f32(_pad_stack(ego, 1, t_pad)[:, :, 0])  # [S, T, 7]
+        g_max = max(sc.lights.shape[1] for sc in scenarios)
+        lights = np.full((len(scenarios), t_pad, g_max), 3, np.int64)
+        junc = np.full((len(scenarios), g_max), world.num_junctions, np.int64)  # padding -> a spare column
+        for k, sc in enumerate(scenarios):
+            ng = len(sc.graph.light_junction)
+            lights[k, :, :sc.lights.shape[1]] = _pad_stack([sc.lights[:, None, :]], 1, t_pad)[0, :, 0]
+            junc[k, :ng] = sc.graph.light_junction + junc_off[k]
+        self.log_lights = torch.as_tensor(lights, device=dev)
+        self.light_junc = torch.as_tensor(junc, device=dev)
+        self.light_rel = torch.tensor(LIGHT_REL, device=dev)
+        self.scenario_tokens = [sc.token for sc in scenarios]
+        self.scenario_types = [sc.scenario_type for sc in scenarios]
+
+    # the shared step re-spawns far vehicles every second; log replay owns every agent, so that never fires
+    @property
+    def _steps(self) -> int:
+        return 1
+
+    @_steps.setter
+    def _steps(self, value: int) -> None:
+        pass
+
+    @property
+    def options(self) -> NuplanOptions:
+        return self.opts
+
+    # ------------------------------------------------------------------ log access
+    def _frame(self, scenario: Tensor, frame: Tensor) -> tuple[Tensor, Tensor]:
+        f = frame.clamp(max=self.num_frames - 1)
+        return scenario, f
+
+    def _log_vehicles(self, scenario: Tensor, frame: Tensor) -> Vehicles:
+        sc, f = self._frame(scenario, frame)
+        a, v = self.log_veh[sc, f], self.log_veh_valid[sc, f]
+        z = torch.zeros_like(a[..., 0])
+        return Vehicles(lane=z.long(), s=z.clone(), speed=a[..., 5:7].norm(dim=-1), next_lane=z.long(), valid=v,
+                        half=a[..., 3:5] / 2, v_factor=torch.ones_like(z), stopped_at_sign=torch.zeros_like(v),
+                        still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous())
+
+    def _log_pedestrians(self, scenario: Tensor, frame: Tensor) -> Pedestrians:
+        sc, f = self._frame(scenario, frame)
+        a, v = self.log_ped[sc, f], self.log_ped_valid[sc, f]
+        z = torch.zeros_like(a[..., 0])
+        speed = a[..., 5:7].norm(dim=-1)
+        return Pedestrians(crosswalk=z.long(), progress=z.clone(), direction=torch.ones_like(z), wait=z.clone(),
+                           speed=speed, valid=v, xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(),
+                           moving=speed > 0.2)
+
+    def _log_statics(self, scenario: Tensor, frame: Tensor) -> Statics:
+        sc, f = self._frame(scenario, frame)
+        a = self.log_st[sc, f]
+        return Statics(xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(), half=a[..., 3:5] / 2,
+                       valid=self.log_st_valid[sc, f])
+
+    def _light_offsets(self, scenario: Tensor, frame: Tensor, t: Tensor, out: Tensor) -> Tensor:
+        """Per-junction cycle offsets that make every light group show its logged state at time ``t``."""
+        sc, f = self._frame(scenario, frame)
+        state = self.log_lights[sc, f]  # [B, G]
+        cycle = sum(LIGHT_PHASE)
+        val = torch.remainder(self.light_rel[state] - t.unsqueeze(-1), cycle)
+        return out.scatter(1, self.light_junc[sc], val)
+
+    def _snap_to_lanes(self, veh: Vehicles) -> None:
+        """Reactive mode: put logged vehicles on their nearest lane (lane, arc position) to drive them with IDM."""
+        w = self.world
+        lane, lateral, lane_yaw, found = lane_lookup(w, veh.xy)
+        pts = w.lane_pts[lane]  # [B, N, P, 2]
+        s = (pts - veh.xy.unsqueeze(-2)).norm(dim=-1).argmin(-1).float() * w.lane_spacing[lane]
+        aligned = torch.cos(wrap_angle(veh.yaw - lane_yaw)) > 0.5
+        veh.lane, veh.s = lane, s
+        veh.valid = veh.valid & found & aligned
+        veh.v_factor = (IDM_TARGET_SPEED / w.lane_speed[lane].clamp(min=1.0)).clamp(0.3, 1.5)
+        veh.next_lane = agents.random_successor(w, lane, self.gen)
+        veh.xy, veh.yaw = agents.lane_pose(w, lane, s)
+
+    # ------------------------------------------------------------------ SimEnv hooks
+    def _pick_scenarios(self, rows: Tensor) -> Tensor:
+        if self.opts.route_split == "eval":
+            return self.next_route[rows]
+        return torch.randint(len(self.scenarios), (len(rows),), generator=self.gen, device=self.device)
+
+    def _initial_state(self, rows: Tensor | None = None) -> NuplanState:
+        """Fresh episodes for ``rows`` (all environments when None): the scenarios' first logged frame."""
+        dev = self.device
+        if rows is None:
+            rows = torch.arange(self.num_envs, device=dev)
+        B = len(rows)
+        sc = self._pick_scenarios(rows)
+        f0 = torch.zeros(B, dtype=torch.long, device=dev)
+        e = self.log_ego[sc, 0]
+        yaw = e[:, 2]
+        ego_xy = e[:, :2] + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+        veh = self._log_vehicles(sc, f0)
+        if self.opts.reactive:
+            self._snap_to_lanes(veh)
+        zeros = torch.zeros(B, device=dev)
+        light = torch.zeros(B, self.world.num_junctions + 1, device=dev)
+        return NuplanState(
+            ego_xy=ego_xy, ego_yaw=yaw, ego_speed=e[:, 3].clamp(min=0.0), last_action=torch.zeros(B, 3, device=dev),
+            route_id=sc.clone(), route_idx=f0.clone(), rc=zeros.clone(), t=zeros.clone(), steps=f0.clone(),
+            still_time=zeros.clone(), light_offset=self._light_offsets(sc, f0, zeros, light),
+            stop_done=torch.zeros(B, dtype=torch.bool, device=dev),
+            hist_speed=e[:, 3:4].repeat(1, HISTORY), hist_yaw=yaw.unsqueeze(1).repeat(1, HISTORY),
+            veh=veh, ped=self._log_pedestrians(sc, f0), statics=self._log_statics(sc, f0),
+            reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
+            counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
+            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev),
+            scenario=sc, ego_accel=e[:, 5].clone(), ego_steer=zeros.clone())
+
+    def _move_ego(self, s: NuplanState, action: Tensor) -> None:
+        """CaRL's action mapping into nuPlan's kinematic bicycle model (rear axle; forward Euler)."""
+        dt = self.cfg.dt
+        steer_cmd, acc_cmd = action[:, 0], action[:, 1]
+        a_target = torch.where(acc_cmd >= 0, acc_cmd * MAX_ACCEL, acc_cmd * MAX_DECEL)
+        v = s.ego_speed
+        # reverse guard: a PD stop instead of driving backwards
+        a_target = torch.where(v + a_target * dt < 0, -v - 0.75 * s.ego_accel, a_target).clamp(-MAX_DECEL, MAX_ACCEL)
+        steer_rate = (steer_cmd * MAX_STEER - s.ego_steer) / dt
+        heading = s.ego_yaw
+        fwd = torch.stack((torch.cos(heading), torch.sin(heading)), -1)
+        rear = s.ego_xy - REAR_AXLE_TO_CENTRE * fwd
+        rear = rear + fwd * (v * dt).unsqueeze(-1)
+        yaw = wrap_angle(heading + v * torch.tan(s.ego_steer) / WHEELBASE * dt)
+        accel = s.ego_accel + dt / (dt + ACCEL_LAG) * (a_target - s.ego_accel)
+        ideal = s.ego_steer + dt * steer_rate
+        s.ego_steer = (s.ego_steer + dt / (dt + STEER_LAG) * (ideal - s.ego_steer)).clamp(-STEER_LIMIT, STEER_LIMIT)
+        s.ego_speed = (v + accel * dt).clamp(min=0.0)
+        s.ego_accel = accel
+        s.ego_yaw = yaw
+        s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+        s.last_action = torch.stack((steer_cmd, acc_cmd.clamp(min=0.0), (-acc_cmd).clamp(min=0.0)), -1)
+
+    def _move_actors(self, s: NuplanState) -> None:
+        frame = s.steps + 1
+        if self.opts.reactive:
+            agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), s.t, s.light_offset,
+                                 self.cfg, self.gen)
+        else:
+            s.veh = self._log_vehicles(s.scenario, frame)
+        s.ped = self._log_pedestrians(s.scenario, frame)
+        s.statics = self._log_statics(s.scenario, frame)
+        s.light_offset = self._light_offsets(s.scenario, frame, s.t + self.cfg.dt, s.light_offset)
+
+    def _stop_lines(self, s: SimState, old_idx: Tensor, new_idx: Tensor) -> tuple[Tensor, Tensor]:
+        if self.opts.red_light:
+            return super()._stop_lines(s, old_idx, new_idx)
+        none = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        return none, none.clone()
+
+    def _episode_info(self, s: NuplanState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+        info = super()._episode_info(s, done, hard_t, truncated)
+        info["episode/scenario"] = s.scenario.float()
+        return info
+
+
+def load_scenarios(opts: NuplanOptions, seed: int = 0) -> list[CachedScenario]:
+    """The env's scenario pool: build missing cache files from ``data_root`` if given, then load up to
+    ``max_scenarios`` (the first ones for evaluation, a seeded random subset for training)."""
+    tokens, types = opts.tokens, opts.scenario_types
+    if opts.split_yaml:
+        from envs.nuplan.reader import load_split_yaml
+
+        y = load_split_yaml(opts.split_yaml)
+        tokens = tokens or y["scenario_tokens"]
+        types = types or y["scenario_types"]
+    if opts.data_root:
+        from envs.nuplan.reader import select_scenarios
+
+        specs = select_scenarios(opts.data_root, opts.split, opts.log_names, types, tokens)
+        build_cache(specs, opts.maps_root or Path(opts.data_root) / "maps", opts.cache_dir, opts.workers)
+    files = list_cache(opts.cache_dir, tokens, opts.log_names, types)
+    if opts.route_split == "train" and len(files) > opts.max_scenarios:
+        pick = np.random.default_rng(seed).choice(len(files), opts.max_scenarios, replace=False)
+        files = [files[i] for i in sorted(pick)]
+    return [load(f) for f in files[: opts.max_scenarios]]
+
+
+def make_nuplan_env(num_envs: int, device: str | torch.device = "cpu", seed: int = 0, **options: Any) -> NuplanEnv:
+    """``envs.make_env("nuplan", ...)``: validate ``options`` (see :class:`NuplanOptions`) and build the env."""
+    opts = from_dict(NuplanOptions, options, "env.options").validate()
+    return NuplanEnv(load_scenarios(opts, seed), opts, num_envs, device, seed)
+
+
+def options_dict(opts: NuplanOptions) -> dict:
+    return dataclasses.asdict(opts)
