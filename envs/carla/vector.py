@@ -98,6 +98,8 @@ class CarlaVectorEnv(BatchedEnv):
         self.conns: list[Connection | None] = [None] * num_envs
         self.server_pids: list[int | None] = [None] * num_envs
         self.process_restarts = 0
+        self.row_restarts = np.zeros(num_envs, np.float32)  # worker-process restarts per row
+        self._info_template: dict[str, np.ndarray] | None = None  # zeros shaped like one row's info
         self._closed = False
         try:
             for i in range(num_envs):
@@ -141,6 +143,7 @@ class CarlaVectorEnv(BatchedEnv):
     def _replace(self, i: int) -> dict[str, np.ndarray]:
         """A worker process died: kill its server's process group, start a new worker, return its first obs."""
         self.process_restarts += 1
+        self.row_restarts[i] += 1
         log.warning("CARLA worker %d died; restarting it (process restart #%d)", i, self.process_restarts)
         if self.server_pids[i] is not None:
             try:
@@ -187,17 +190,18 @@ class CarlaVectorEnv(BatchedEnv):
             term.append(te)
             trunc.append(tr)
             infos.append((info, lost))
-        keys = next((inf.keys() for inf, _ in infos if inf is not None), ())
-        merged: dict[str, Tensor] = {}
-        for k in keys:  # a replaced worker's row has no episode statistics: zeros, done, counted as a crash
-            merged[k] = torch.as_tensor(np.concatenate([
-                inf[k] if inf is not None else np.zeros_like(next(x for x, _ in infos if x is not None)[k])
-                for inf, _ in infos])).to(self.device)
+        for inf, _ in infos:
+            if inf is not None and self._info_template is None:
+                self._info_template = {k: np.zeros_like(v) for k, v in inf.items()}
+        template = self._info_template or {"done": np.zeros(1, bool), "carla/crash": np.zeros(1, np.float32),
+                                           "carla/restarts": np.zeros(1, np.float32)}
+        # a replaced worker's row has no episode statistics: zeros, done, counted as a crash and a restart
+        rows = [inf if inf is not None else template for inf, _ in infos]
+        merged = {k: torch.as_tensor(np.concatenate([r[k] for r in rows])).to(self.device) for k in template}
         lost_rows = torch.tensor([lost for _, lost in infos], device=self.device)
-        if "done" in merged:
-            merged["done"] = merged["done"] | lost_rows
-        if "carla/crash" in merged:
-            merged["carla/crash"] = torch.maximum(merged["carla/crash"], lost_rows.float())
+        merged["done"] = merged["done"].bool() | lost_rows
+        merged["carla/crash"] = torch.maximum(merged["carla/crash"], lost_rows.float())
+        merged["carla/restarts"] = merged["carla/restarts"] + torch.as_tensor(self.row_restarts, device=self.device)
         merged["carla/process_restarts"] = torch.full((self.num_envs,), float(self.process_restarts),
                                                       device=self.device)
         return StepResult(self._stack(obs), torch.as_tensor(np.concatenate(rew)).to(self.device),
