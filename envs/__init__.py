@@ -11,7 +11,7 @@ import torch
 
 from envs.api import BatchedEnv
 
-BACKENDS = ("sim",)
+BACKENDS = ("sim", "nuplan")
 
 
 def make_env(name: str, num_envs: int, device: str | torch.device = "cpu", seed: int = 0, **options: Any
@@ -22,4 +22,8 @@ def make_env(name: str, num_envs: int, device: str | torch.device = "cpu", seed:
         from envs.sim.env import SimEnv
 
         return SimEnv(from_dict(SimConfig, options).validate(), num_envs, device, seed)
+    if name == "nuplan":
+        from envs.nuplan.env import make_nuplan_env
+
+        return make_nuplan_env(num_envs, device, seed, **options)
     raise ValueError(f"env.name={name!r}: unknown environment backend; available: {', '.join(BACKENDS)}")

@@ -216,14 +216,8 @@ class NuplanEnv(SimEnv):
         self.scenario_tokens = [sc.token for sc in scenarios]
         self.scenario_types = [sc.scenario_type for sc in scenarios]
 
-    # the shared step re-spawns far vehicles every second; log replay owns every agent, so that never fires
-    @property
-    def _steps(self) -> int:
-        return 1
-
-    @_steps.setter
-    def _steps(self, value: int) -> None:
-        pass
+    def _refresh_actors(self, s: SimState) -> None:
+        """Log replay owns every agent: no re-spawning near the ego."""
 
     @property
     def options(self) -> NuplanOptions:

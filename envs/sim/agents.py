@@ -13,7 +13,7 @@ from torch import Tensor
 
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.config import SimConfig
-from envs.sim.geometry import to_local, wrap_angle
+from envs.sim.geometry import dense
 from envs.sim.world import World, light_state
 
 # IDM parameters (textbook values, urban driving)
@@ -50,20 +50,27 @@ def corridor_gap(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs_yaw:
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Nearest obstacle ahead inside a straight corridor of the actor's width.
 
-    xy [B,M,2], yaw [B,M], half [B,M,2]; obstacles [B,N,...]. Returns (gap [B,M], obstacle speed along the
-    actor's heading [B,M], mask [B,M,N] of obstacles in the corridor) — gap is ``horizon`` when the corridor is free.
+    xy [B,M,2], yaw [B,M], half [B,M,2]; obstacles [B,N,...]; ``ignore`` [B,M,N] excludes pairs. Returns (gap [B,M],
+    obstacle speed along the actor's heading [B,M], cos of the heading difference [B,M,N]) — gap is ``horizon``
+    when the corridor is free. Written with explicit components: no [B,M,N,2] temporaries, no trigonometry on
+    [B,M,N].
     """
-    rel = to_local(obs_xy.unsqueeze(1), xy.unsqueeze(2), yaw.unsqueeze(2))  # [B,M,N,2]
-    lateral_room = half[..., 1:].clamp(min=0.0) + obs_half[..., 1].unsqueeze(1) + 0.3
-    in_corr = (rel[..., 0] > 0) & (rel[..., 1].abs() < lateral_room) & obs_valid.unsqueeze(1) & (rel[..., 0] < horizon)
+    c, s, x, y, hl, hw, ox, oy, oc, os_, ohl, ohw, ov, osp = dense(
+        torch.cos(yaw).unsqueeze(2), torch.sin(yaw).unsqueeze(2), xy[..., 0].unsqueeze(2), xy[..., 1].unsqueeze(2),
+        half[..., 0].unsqueeze(2), half[..., 1].unsqueeze(2), obs_xy[..., 0].unsqueeze(1), obs_xy[..., 1].unsqueeze(1),
+        torch.cos(obs_yaw).unsqueeze(1), torch.sin(obs_yaw).unsqueeze(1), obs_half[..., 0].unsqueeze(1),
+        obs_half[..., 1].unsqueeze(1), obs_valid.unsqueeze(1), obs_speed.unsqueeze(1))
+    dx, dy = ox - x, oy - y
+    ahead = dx * c + dy * s
+    side = dy * c - dx * s
+    in_corr = (ahead > 0) & (side.abs() < hw + ohw + 0.3) & ov & (ahead < horizon)
     if ignore is not None:
         in_corr &= ~ignore
-    gap = rel[..., 0] - half[..., :1] - obs_half[..., 0].unsqueeze(1)
-    gap = torch.where(in_corr, gap, torch.full_like(gap, horizon))
+    gap = torch.where(in_corr, ahead - hl - ohl, torch.full_like(ahead, horizon))
     gmin, j = gap.min(-1)
-    obs_v = obs_speed.unsqueeze(1) * torch.cos(obs_yaw.unsqueeze(1) - yaw.unsqueeze(2))
-    v_lead = torch.gather(obs_v, 2, j.unsqueeze(-1)).squeeze(-1)
-    return gmin, v_lead, in_corr
+    cos_rel = c * oc + s * os_
+    v_lead = torch.gather(osp * cos_rel, 2, j.unsqueeze(-1)).squeeze(-1)
+    return gmin, v_lead, cos_rel
 
 
 @dataclass
@@ -127,7 +134,7 @@ def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, 
     N = oxy.shape[1]
     idx = torch.arange(N, device=oxy.device)
     higher = (idx.unsqueeze(0) > torch.arange(A, device=oxy.device).unsqueeze(1)) & (idx.unsqueeze(0) < A)  # [A,N]
-    crossing = wrap_angle(oyaw.unsqueeze(1) - veh.yaw.unsqueeze(2)).abs() > math.pi / 4
+    crossing = torch.cos(oyaw.unsqueeze(1) - veh.yaw.unsqueeze(2)) < math.cos(math.pi / 4)
     self_mask = torch.eye(A, N, dtype=torch.bool, device=oxy.device)
     ignore = (higher.unsqueeze(0) & crossing) | self_mask.unsqueeze(0)
     gap, lead_v, _ = corridor_gap(veh.xy, veh.yaw, veh.half, oxy, oyaw, ospeed, ohalf, ovalid, ignore=ignore)

@@ -57,13 +57,14 @@ class SimState:
     prev_soft: Tensor  # [B,4] bool: speeding, ttc, comfort, outside last step (to count events on rising edges)
 
 
-def blend(mask: Tensor, fresh, old):
-    """Per-environment select between two state trees (dataclasses of tensors): ``fresh`` where ``mask``."""
-    if dataclasses.is_dataclass(fresh):
-        return type(fresh)(**{f.name: blend(mask, getattr(fresh, f.name), getattr(old, f.name))
-                              for f in dataclasses.fields(fresh)})
-    m = mask.view(-1, *([1] * (fresh.dim() - 1)))
-    return torch.where(m, fresh, old)
+def assign_rows(state, rows: Tensor, fresh) -> None:
+    """Write ``fresh`` (a state tree for ``len(rows)`` environments) into rows ``rows`` of ``state``, in place."""
+    for f in dataclasses.fields(state):
+        old, new = getattr(state, f.name), getattr(fresh, f.name)
+        if dataclasses.is_dataclass(old):
+            assign_rows(old, rows, new)
+        else:
+            old[rows] = new
 
 
 _WORLDS: dict[tuple, World] = {}
@@ -137,14 +138,15 @@ class SimEnv(BatchedEnv):
         self._steps = 0
 
     # ------------------------------------------------------------------ episode starts
-    def _pick_routes(self) -> Tensor:
+    def _pick_routes(self, rows: Tensor) -> Tensor:
         if self.cfg.route_split == "eval" or self.cfg.route_file:
-            return self.next_route  # fixed assignment: row i drives route i (mod the number of routes)
-        return torch.randint(self.world.num_routes, (self.num_envs,), generator=self.gen, device=self.device)
+            return self.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
+        return torch.randint(self.world.num_routes, (len(rows),), generator=self.gen, device=self.device)
 
-    def _initial_state(self) -> SimState:
-        w, cfg, B, dev, g = self.world, self.cfg, self.num_envs, self.device, self.gen
-        route_id = self._pick_routes()
+    def _initial_state(self, rows: Tensor) -> SimState:
+        """Fresh episodes for environments ``rows`` (a state tree of ``len(rows)`` rows)."""
+        w, cfg, B, dev, g = self.world, self.cfg, len(rows), self.device, self.gen
+        route_id = self._pick_routes(rows)
         p0 = w.route_pts[route_id, 0]
         d = w.route_pts[route_id, 1] - p0
         ego_xy, ego_yaw = p0, torch.atan2(d[:, 1], d[:, 0])
@@ -177,7 +179,7 @@ class SimEnv(BatchedEnv):
             self.seed = seed
             self.gen.manual_seed(seed)
         self.next_route = torch.arange(self.num_envs, device=self.device) % self.world.num_routes
-        self.state = self._initial_state()
+        self.state = self._initial_state(torch.arange(self.num_envs, device=self.device))
         self._advance_route_assignment(torch.ones(self.num_envs, dtype=torch.bool, device=self.device))
         return self._observe(self.state)
 
@@ -259,14 +261,19 @@ class SimEnv(BatchedEnv):
                 info[f"final_obs/{k}"] = v
         # auto-reset finished environments, keep the traffic around the others alive
         if bool(done.any()):  # one host sync; skips building fresh episodes on most steps
-            self.state = s = blend(done, self._initial_state(), s)
+            rows = torch.nonzero(done).flatten()
+            assign_rows(s, rows, self._initial_state(rows))
             self._advance_route_assignment(done)
-        self._steps += 1
-        if self._steps % RESPAWN_EVERY == 0:  # traffic density around the ego changes slowly: refresh once a second
-            agents.respawn_vehicles(w, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
-            s.veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < cfg.num_vehicles)
+        self._refresh_actors(s)
         obs = self._observe(s)
         return StepResult(obs, reward, terminated, truncated, info)
+
+    def _refresh_actors(self, s: SimState) -> None:
+        """Move far-away vehicles back near the ego; density around it changes slowly, so once a second."""
+        self._steps += 1
+        if self._steps % RESPAWN_EVERY == 0:
+            agents.respawn_vehicles(self.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
+            s.veh.valid &= self.cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < self.cfg.num_vehicles)
 
     def _move_ego(self, s: SimState, action: Tensor) -> None:
         """Kinematic bicycle (centre of gravity at mid-wheelbase); a1 > 0 throttle, a1 < 0 brake; no reverse."""
@@ -333,9 +340,10 @@ class SimEnv(BatchedEnv):
         first = reason.float().argmax(-1)  # the first reason in TERMINATIONS order
         info = {
             "done": done,
-            "episode/return": s.ep_return, "episode/length": s.steps.float(), "episode/route_completion": s.rc,
+            # copies: finished rows are reset in place right after
+            "episode/return": s.ep_return.clone(), "episode/length": s.steps.float(), "episode/route_completion": s.rc.clone(),
             "episode/infraction_score": score, "episode/driving_score": (s.rc * score).clamp(min=0.0),
-            "episode/km": route_len * s.rc / 100.0 / 1000.0, "episode/route_id": s.route_id,
+            "episode/km": route_len * s.rc / 100.0 / 1000.0, "episode/route_id": s.route_id.clone(),
         }
         for i, name in enumerate(INFRACTIONS):
             info[f"episode/infractions/{name}"] = s.counts[:, i].float()

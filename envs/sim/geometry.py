@@ -7,6 +7,12 @@ import torch
 from torch import Tensor
 
 
+def dense(*tensors: Tensor) -> list[Tensor]:
+    """Broadcast to a common shape and materialise: on CPU, elementwise ops on broadcast (stride-0) operands run
+    several times slower than one copy plus ops on contiguous tensors (measured ~190 us vs 18 + 30 us at 233k)."""
+    return [t.contiguous() for t in torch.broadcast_tensors(*tensors)]
+
+
 def wrap_angle(a: Tensor) -> Tensor:
     """Wrap to [-pi, pi)."""
     return torch.remainder(a + math.pi, 2 * math.pi) - math.pi
@@ -35,16 +41,17 @@ def boxes_overlap(c1: Tensor, yaw1: Tensor, he1: Tensor, c2: Tensor, yaw2: Tenso
 
     Returns a bool tensor: True where the boxes intersect (touching counts).
     """
-    d = c2 - c1
     cos1, sin1, cos2, sin2 = torch.cos(yaw1), torch.sin(yaw1), torch.cos(yaw2), torch.sin(yaw2)
+    dx, dy, cos1, sin1, cos2, sin2, l1, w1, l2, w2 = dense(
+        c2[..., 0] - c1[..., 0], c2[..., 1] - c1[..., 1], cos1, sin1, cos2, sin2,
+        he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1])
     # |cos| and |sin| of the relative heading give every projected half-width in closed form
     c = (cos1 * cos2 + sin1 * sin2).abs()
     s = (sin2 * cos1 - cos2 * sin1).abs()
-    l1, w1, l2, w2 = he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1]
-    dx1 = (d[..., 0] * cos1 + d[..., 1] * sin1).abs()  # d on box 1's axes
-    dy1 = (-d[..., 0] * sin1 + d[..., 1] * cos1).abs()
-    dx2 = (d[..., 0] * cos2 + d[..., 1] * sin2).abs()  # d on box 2's axes
-    dy2 = (-d[..., 0] * sin2 + d[..., 1] * cos2).abs()
+    dx1 = (dx * cos1 + dy * sin1).abs()  # centre offset on box 1's axes
+    dy1 = (dy * cos1 - dx * sin1).abs()
+    dx2 = (dx * cos2 + dy * sin2).abs()  # on box 2's axes
+    dy2 = (dy * cos2 - dx * sin2).abs()
     return ((dx1 <= l1 + l2 * c + w2 * s) & (dy1 <= w1 + l2 * s + w2 * c)
             & (dx2 <= l2 + l1 * c + w1 * s) & (dy2 <= w2 + l1 * s + w1 * c))
 

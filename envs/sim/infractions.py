@@ -26,6 +26,7 @@ INFRACTIONS = ("collision_vehicle", "collision_pedestrian", "collision_static", 
 HARD = INFRACTIONS[:9]
 TERMINAL_PENALTY = ("collision_vehicle", "collision_pedestrian", "collision_static", "red_light")
 ROUTE_WINDOW = 10
+TTC_NEAREST = 6  # actors considered by the TTC forecast
 
 
 def route_progress(world: World, route_id: Tensor, idx: Tensor, ego_xy: Tensor) -> tuple[Tensor, Tensor]:
@@ -63,6 +64,12 @@ def collisions(ego_xy: Tensor, ego_yaw: Tensor, ego_half: Tensor, actors: dict[s
 def ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: Tensor, xy: Tensor, yaw: Tensor,
                   speed: Tensor, half: Tensor, valid: Tensor, times: tuple[float, ...]) -> Tensor:
     """Constant-velocity forecast of every box at the TTC times: any overlap with the ego's forecast (CaRL §1.2)."""
+    if xy.shape[1] > TTC_NEAREST:  # only the nearest actors can be reached within the horizon
+        dist = torch.where(valid, (xy - ego_xy.unsqueeze(1)).norm(dim=-1), torch.full_like(speed, 1e9))
+        near = dist.topk(TTC_NEAREST, dim=1, largest=False).indices
+        xy = xy.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
+        half = half.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
+        yaw, speed, valid = yaw.gather(1, near), speed.gather(1, near), valid.gather(1, near)
     tt = torch.tensor(times, device=ego_xy.device)  # [T]
     ego_dir = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1)
     odir = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
