@@ -73,10 +73,12 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
         except OSError:
             pass
     finally:
-        if env is not None:
-            env.close()
-        elif server is not None:
-            server.kill()
+        try:
+            if env is not None:
+                env.close()
+        finally:
+            if server is not None:  # also a server the worker restarted (new pid): never leak one
+                server.kill()
 
 
 class CarlaVectorEnv(BatchedEnv):

@@ -405,7 +405,8 @@ class CarlaWorker(SimEnv):
             self.cworld.apply_settings(settings)
             if self.tm is not None:
                 self.tm.set_synchronous_mode(False)
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - a dead server cannot be cleaned up; it is killed below
             pass
-        if self.server is not None:
-            self.server.kill()
+        finally:
+            if self.server is not None:
+                self.server.kill()
