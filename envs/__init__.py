@@ -5,23 +5,28 @@ validated against the backend's config dataclass, so a misspelt key fails at sta
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the backends; keep `python -m envs.carla.standin` light
+    import torch
 
-from envs.api import BatchedEnv
+    from envs.api import BatchedEnv
 
-BACKENDS = ("sim", "nuplan")
+BACKENDS = ("sim", "carla", "nuplan")
 
 
-def make_env(name: str, num_envs: int, device: str | torch.device = "cpu", seed: int = 0, **options: Any
-             ) -> BatchedEnv:
+def make_env(name: str, num_envs: int, device: "str | torch.device" = "cpu", seed: int = 0, **options: Any
+             ) -> "BatchedEnv":
     """Build ``num_envs`` environments of backend ``name`` on ``device``."""
     if name == "sim":
         from envs.sim.config import SimConfig, from_dict
         from envs.sim.env import SimEnv
 
         return SimEnv(from_dict(SimConfig, options).validate(), num_envs, device, seed)
+    if name == "carla":
+        from envs.carla.vector import make_carla_env
+
+        return make_carla_env(num_envs, device, seed, **options)
     if name == "nuplan":
         from envs.nuplan.env import make_nuplan_env
 

@@ -332,7 +332,7 @@ class NuplanEnv(SimEnv):
     def _move_actors(self, s: NuplanState) -> None:
         frame = s.steps + 1
         if self.opts.reactive:
-            agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), s.t, s.light_offset,
+            agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), lambda g: self._lights(s, g),
                                  self.cfg, self.gen)
         else:
             s.veh = self._log_vehicles(s.scenario, frame)

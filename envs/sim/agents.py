@@ -14,7 +14,7 @@ from torch import Tensor
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.config import SimConfig
 from envs.sim.geometry import dense
-from envs.sim.world import World, light_state
+from envs.sim.world import LightFn, World
 
 # IDM parameters (textbook values, urban driving)
 IDM_ACCEL, IDM_DECEL, IDM_GAP, IDM_HEADWAY = 2.0, 3.0, 2.0, 1.5
@@ -121,7 +121,7 @@ def spawn_vehicles(world: World, num_envs: int, num: int, ego_xy: Tensor, gen: t
 
 
 def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
-                  t: Tensor, light_offset: Tensor, cfg: SimConfig, gen: torch.Generator) -> None:
+                  lights: LightFn, cfg: SimConfig, gen: torch.Generator) -> None:
     """IDM along lanes: follow the nearest obstacle in the corridor, stop for red/yellow lights and stop signs.
 
     ``obstacles`` = (xy, yaw, speed, half, valid) of everything else ([B, N]); the first ``A`` entries must be the
@@ -145,7 +145,7 @@ def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, 
     to_line = world.lane_len[veh.lane] - veh.s - veh.half[..., 0]
     is_sign = has_stop & (world.stop_control[stop_c] == CONTROL_STOP)
     group = torch.where(has_stop & ~is_sign, world.stop_group[stop_c], torch.full_like(stop, -1))
-    state, _ = light_state(world, group, t, light_offset, cfg)
+    state, _ = lights(group)
     can_stop = to_line > veh.speed ** 2 / (2 * IDM_DECEL) - 0.5
     must_stop = ((state == 2) | ((state == 1) & can_stop)) | (is_sign & ~veh.stopped_at_sign)
     must_stop &= has_stop & (to_line > -1.0)

@@ -305,9 +305,13 @@ class SimEnv(BatchedEnv):
         return tuple(torch.cat(x, 1) for x in zip(*parts))
 
     def _move_actors(self, s: SimState) -> None:
-        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), s.t, s.light_offset, self.cfg,
-                             self.gen)
+        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), lambda g: self._lights(s, g),
+                             self.cfg, self.gen)
         agents.step_pedestrians(self.world, s.ped, self.cfg.dt, self.gen)
+
+    def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
+        """Colour of light groups [B, N] now: the simulator's cycle model. Backends with real lights override it."""
+        return light_state(self.world, group, s.t, s.light_offset, self.cfg)
 
     def _stop_lines(self, s: SimState, old_idx: Tensor, new_idx: Tensor) -> tuple[Tensor, Tensor]:
         """Red-light and stop-sign runs: the ego's tail passes a stop line on its route (CaRL §1.4).
@@ -322,7 +326,7 @@ class SimEnv(BatchedEnv):
         crossed = (old_idx.unsqueeze(1) < line) & (new_idx.unsqueeze(1) >= line) & (w.route_ev_stop[s.route_id] >= 0)
         is_sign = w.stop_control[stop] == 2
         group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
-        state, _ = light_state(w, group, s.t, s.light_offset, self.cfg)
+        state, _ = self._lights(s, group)
         red = (crossed & ~is_sign & (state == 2)).any(1)
         # stop signs: the ego must have stood still within the last 4 m before the line
         near_line = ((ev_idx - new_idx.unsqueeze(1)) <= 4) & ((ev_idx - new_idx.unsqueeze(1)) >= -tail) & is_sign
@@ -357,7 +361,7 @@ class SimEnv(BatchedEnv):
         obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
                OBS_VALUE_MEASUREMENTS: value_measurements(self.world, s, self.cfg, self.cfg.reward)}
         if self.cfg.bev:
-            obs[OBS_BEV] = render_bev(self.world, s, self.cfg)
+            obs[OBS_BEV] = render_bev(self.world, s, self.cfg, lambda group: self._lights(s, group))
         else:
             spec = self.observation_spec[OBS_BEV]
             obs[OBS_BEV] = torch.zeros((1, *spec.shape), dtype=torch.uint8, device=self.device).expand(

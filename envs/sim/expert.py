@@ -12,7 +12,6 @@ from torch import Tensor
 from envs.sim import agents, infractions
 from envs.sim.env import SimEnv
 from envs.sim.observation import upcoming_stop_lines
-from envs.sim.world import light_state
 from envs.sim.geometry import to_local, wrap_angle
 
 PATH_POINTS = 24  # path samples ahead (every 2 m)
@@ -79,7 +78,7 @@ class Expert:
         ahead = (ev_idx - s.route_idx.unsqueeze(1)).float()
         is_sign = w.stop_control[stop] == 2
         group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
-        state, _ = light_state(w, group, s.t, s.light_offset, cfg)
+        state, _ = env._lights(s, group)
         to_line = ahead - env.ego_half[:, :1]  # nose to line
         can_stop = to_line > v.unsqueeze(1) ** 2 / (2 * 4.0) - 0.5
         must = near & (ahead > -1.0) & (((state == 2) | ((state == 1) & can_stop)) & ~is_sign

@@ -9,7 +9,7 @@ from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_S
 from envs.reward import RewardConfig
 from envs.sim.config import SimConfig
 from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
-from envs.sim.world import World, light_state
+from envs.sim.world import LightFn, World
 
 CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
             "speed_signs", "static_objects", "shoulder")
@@ -33,7 +33,7 @@ def upcoming_stop_lines(world: World, route_id: Tensor, route_idx: Tensor) -> tu
     return ev_stop.clamp(min=0), ev_idx, near
 
 
-def render_bev(world: World, s, cfg: SimConfig) -> Tensor:
+def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     """Draw the 10 CaRL channels for every environment of the state ``s`` (an :class:`envs.sim.env.SimState`)."""
     bc = bev_config(cfg)
     B = s.ego_xy.shape[0]
@@ -66,7 +66,7 @@ def render_bev(world: World, s, cfg: SimConfig) -> Tensor:
     stop, ev_idx, near = upcoming_stop_lines(world, s.route_id, s.route_idx)
     is_sign = world.stop_control[stop] == CONTROL_STOP
     group = torch.where(is_sign, torch.full_like(stop, -1), world.stop_group[stop])
-    state, yellow_left = light_state(world, group, s.t, s.light_offset, cfg)
+    state, yellow_left = lights(group)
     ramp = LIGHT_YELLOW_BASE + (255 - LIGHT_YELLOW_BASE) * (1 - yellow_left / max(cfg.light_yellow, 1e-3))
     value = torch.where(state == 0, LIGHT_GREEN, torch.where(state == 1, ramp.round().long(), LIGHT_RED)).to(torch.uint8)
     centre, yaw, width = world.stop_xy[stop], world.stop_yaw[stop], world.stop_width[stop]

@@ -6,6 +6,7 @@ the step needs is a tensor here so that the step itself never touches Python obj
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +164,11 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
         route_ev_idx=t(ev_idx), route_ev_stop=t(ev_stop), route_names=[r.name for r in routes],
     )
+
+
+LightFn = Callable[[Tensor], tuple[Tensor, Tensor]]
+"""Light groups [B, N] (-1 = none) -> (state 0 green / 1 yellow / 2 red, seconds of yellow left): how a backend
+tells the shared code the colour of its lights (the simulator's cycle model, CARLA's actors, nuPlan's log)."""
 
 
 def light_state(world: World, group: Tensor, t: Tensor, offset: Tensor, cfg: SimConfig) -> tuple[Tensor, Tensor]:
