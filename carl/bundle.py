@@ -1,0 +1,409 @@
+"""Policy bundles: a trained actor packaged for use outside the trainer, and :func:`load_policy`.
+
+A bundle is a directory::
+
+    policy.ts             TorchScript actor: (bev, measurements) -> (action, alpha, beta)
+    policy.onnx           the same graph in ONNX (dynamic batch dimension)
+    weights.safetensors   every weight of the actor-critic (CarlPolicy.state_dict())
+    config.yaml           the training config the checkpoint was saved with
+    spec.json             observations, actions, BEV geometry, model signature, versions, file hashes
+
+The exported actor takes ``bev`` ([B, C, H, W], uint8 0..255 by default, or float32 0..255 when exported with
+``bev_dtype=float32``) and ``measurements`` ([B, 8] float32) and returns the deterministic action (the Beta mean
+mapped to [-1, 1], [B, 2]) and the Beta parameters ``alpha`` and ``beta`` ([B, 2], both > 1).
+
+:func:`load_policy` accepts a bundle directory or a training checkpoint (``.pt``) and returns a callable
+``obs dict -> action tensor [B, 2]`` plus the spec; it is the one entry point for the CARLA leaderboard agent, the
+nuPlan planner adapter and ``carl-eval``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from carl.checkpoint import CheckpointError, load_checkpoint
+from carl.policy import CarlPolicy, beta_mean_action, beta_sample
+from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
+
+BUNDLE_FORMAT = "carl-policy-bundle"
+BUNDLE_VERSION = 1
+FILES = {"torchscript": "policy.ts", "onnx": "policy.onnx", "weights": "weights.safetensors",
+         "config": "config.yaml", "spec": "spec.json"}
+ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
+ONNX_OUTPUTS = ("action", "alpha", "beta")
+MODEL_NAMES = ("carl",)  # model.name values this code can rebuild
+
+# What the built-in simulator (and the CARLA / nuPlan backends, which share its observation code) produce.
+BEV_CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
+                "speed_signs", "static_objects", "shoulder")
+MEASUREMENT_FIELDS = ("last_steer", "last_throttle", "last_brake", "gear", "speed_x_mps", "speed_y_mps",
+                      "forward_speed_mps", "speed_limit_mps")
+BEV_DEFAULTS = {"bev_size": 128, "bev_ppm": 2.0, "bev_ego_from_bottom": 50}  # envs/sim/config.py defaults
+
+PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+class BundleError(RuntimeError):
+    """A bundle that is missing, incomplete or belongs to another model/version; the message names the path."""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The exported actor
+# ------------------------------------------------------------------------------------------------------------------
+class Actor(nn.Module):
+    """The policy half of :class:`CarlPolicy` with positional tensor inputs (what TorchScript and ONNX export)."""
+
+    def __init__(self, policy: CarlPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, bev: torch.Tensor, measurements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        feat = self.policy.features({OBS_BEV: bev, OBS_MEASUREMENTS: measurements})
+        alpha, beta = self.policy._heads(feat)  # noqa: SLF001 - the actor heads, without the value head
+        alpha, beta = alpha.float(), beta.float()
+        return beta_mean_action(alpha, beta), alpha, beta
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rebuilding a policy from a checkpoint
+# ------------------------------------------------------------------------------------------------------------------
+def _observation_spec(obs_shapes: dict[str, list[int]]) -> dict[str, TensorSpec]:
+    dtypes = {OBS_BEV: torch.uint8}
+    return {k: TensorSpec(tuple(v), dtypes.get(k, torch.float32)) for k, v in obs_shapes.items()}
+
+
+def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], where: str) -> CarlPolicy:
+    """A fresh :class:`CarlPolicy` for these observation shapes and ``model`` config; ``where`` names the source."""
+    name = model_cfg.get("name", "carl")
+    if name not in MODEL_NAMES:
+        raise CheckpointError(f"{where} holds model {name!r}; this code rebuilds only {', '.join(MODEL_NAMES)}")
+    missing = [k for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS) if k not in obs_shapes]
+    if missing:
+        raise CheckpointError(f"{where} has no observation shape for {missing}; found {sorted(obs_shapes)}")
+    try:
+        return CarlPolicy(_observation_spec(obs_shapes), 2, int(model_cfg.get("features_dim", 256)),
+                          int(model_cfg.get("hidden_dim", 256)), int(model_cfg.get("fusion_dim", 512)),
+                          int(model_cfg.get("min_final_size", 1)))
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{where}: cannot rebuild the model ({exc})") from None
+
+
+def _check_signature(policy: CarlPolicy, saved: dict, where: str) -> None:
+    """The rebuilt model must have the saved layer plan (else the code's stride rule or widths changed)."""
+    mine = policy.signature()
+    diffs = [f"{k}: file has {saved.get(k)}, this code builds {mine[k]}"
+             for k in ("obs_shapes", "conv", "num_params") if k in saved and saved.get(k) != mine[k]]
+    if diffs:
+        raise CheckpointError(f"{where} belongs to another model or carl version: " + "; ".join(diffs))
+
+
+def _load_weights(policy: CarlPolicy, state: dict[str, torch.Tensor], where: str) -> None:
+    missing, unexpected = [], []
+    mine = policy.state_dict()
+    missing = sorted(set(mine) - set(state))
+    unexpected = sorted(set(state) - set(mine))
+    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+              for k, v in mine.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append("shape mismatch " + "; ".join(shapes[:5]))
+        raise CheckpointError(f"{where} belongs to another model: " + ", ".join(parts))
+    policy.load_state_dict(state)
+
+
+def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[CarlPolicy, dict[str, Any]]:
+    """Load a training checkpoint into a fresh :class:`CarlPolicy` (eval mode); return it and the checkpoint dict.
+
+    Raises :class:`CheckpointError` naming the file for an unreadable file, another format version, another model
+    name, a layer plan this code no longer builds, or weights that do not fit.
+    """
+    path = Path(path)
+    ckpt = load_checkpoint(path, map_location="cpu")
+    signature = ckpt.get("signature") or {}
+    if "obs_shapes" not in signature:
+        raise CheckpointError(f"checkpoint {path} has no model signature (obs_shapes); it was not written by carl-train")
+    config = ckpt.get("config") or {}
+    policy = build_policy(signature["obs_shapes"], config.get("model", {}), f"checkpoint {path}")
+    _check_signature(policy, signature, f"checkpoint {path}")
+    _load_weights(policy, ckpt["model"], f"checkpoint {path}")
+    return policy.to(device).eval(), ckpt
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The spec
+# ------------------------------------------------------------------------------------------------------------------
+def carl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("carl")
+    except Exception:  # noqa: BLE001 - not installed (PYTHONPATH checkout)
+        return "unknown"
+
+
+def bev_geometry(config: dict[str, Any], bev_size: int) -> dict[str, Any]:
+    """BEV geometry from the training config's env options (the sim's defaults where unset)."""
+    env = config.get("env", {}) or {}
+    opts = dict(env.get("options", {}) or {})
+    opts.update(opts.get("sim", {}) if isinstance(opts.get("sim"), dict) else {})  # nuPlan nests SimConfig options
+    ppm = float(opts.get("bev_ppm", BEV_DEFAULTS["bev_ppm"]))
+    from_bottom = int(opts.get("bev_ego_from_bottom", BEV_DEFAULTS["bev_ego_from_bottom"]))
+    return {
+        "bev_size": bev_size, "bev_ppm": ppm, "bev_ego_from_bottom": from_bottom,
+        "metres_ahead": (bev_size - from_bottom) / ppm, "metres_behind": from_bottom / ppm,
+        "metres_across": bev_size / ppm,
+        "frame": "ego-centred, ego heading points up (row 0 is ahead); ego at row bev_size-1-bev_ego_from_bottom, "
+                 "centre column",
+        "env": env.get("name", "sim"),
+    }
+
+
+def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8") -> dict[str, Any]:
+    """The ``spec.json`` content for ``policy`` trained with ``config``."""
+    shapes = {k: list(v) for k, v in policy.obs_shapes.items()}
+    c, h, _ = shapes[OBS_BEV]
+    channels = list(BEV_CHANNELS) if c == len(BEV_CHANNELS) else [f"channel_{i}" for i in range(c)]
+    return {
+        "format": BUNDLE_FORMAT,
+        "bundle_version": BUNDLE_VERSION,
+        "carl_version": carl_version(),
+        "torch_version": torch.__version__,
+        "observations": {
+            OBS_BEV: {"shape": shapes[OBS_BEV], "dtype": bev_dtype, "range": [0, 255], "channels": channels,
+                      "note": "the network divides by 255; float inputs must keep the 0..255 scale"},
+            OBS_MEASUREMENTS: {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
+                               "fields": list(MEASUREMENT_FIELDS) if shapes[OBS_MEASUREMENTS] == [8] else None},
+        },
+        "critic_observations": {OBS_VALUE_MEASUREMENTS: {"shape": shapes[OBS_VALUE_MEASUREMENTS], "dtype": "float32",
+                                                         "note": "value head only; not an input of the actor"}},
+        "actions": {
+            "shape": [2], "dtype": "float32", "range": [-1.0, 1.0],
+            "fields": [
+                {"name": "steer", "meaning": "front-wheel angle = steer * max_steer (sim: 0.6 rad); positive increases "
+                                             "the yaw (a right turn in CARLA's left-handed frame)"},
+                {"name": "longitudinal", "meaning": "throttle = max(a, 0), brake = max(-a, 0)"},
+            ],
+            "distribution": "Beta(alpha, beta) on [0, 1] mapped to [-1, 1] by a = 2x - 1",
+            "deterministic": "Beta mean: a = 2 * alpha / (alpha + beta) - 1",
+            "control_period_s": 0.1,
+        },
+        "bev_geometry": bev_geometry(config, h),
+        "model": {**{k: v for k, v in (config.get("model") or {"name": "carl"}).items()},
+                  "signature": policy.signature()},
+        "onnx": {"inputs": list(ONNX_INPUTS), "outputs": list(ONNX_OUTPUTS), "dynamic_axes": {"batch": 0}},
+        "files": {k: v for k, v in FILES.items() if k != "spec"},
+        "source": source,
+    }
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------------------------
+def _example_inputs(policy: CarlPolicy, batch: int, bev_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    c, h, w = policy.obs_shapes[OBS_BEV]
+    bev = torch.randint(0, 256, (batch, c, h, w), generator=gen, dtype=torch.uint8)
+    meas = torch.randn(batch, policy.obs_shapes[OBS_MEASUREMENTS][0], generator=gen)
+    return (bev if bev_dtype == "uint8" else bev.float()), meas
+
+
+def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: Path, exporter: str = "dynamo",
+                opset: int = 18) -> None:
+    """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
+    if exporter == "dynamo":
+        batch = torch.export.Dim("batch")
+        program = torch.onnx.export(actor, example, input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
+                                    dynamic_shapes={"bev": {0: batch}, "measurements": {0: batch}}, dynamo=True,
+                                    opset_version=opset, verbose=False)
+        program.save(str(path))
+    elif exporter == "torchscript":
+        axes = {name: {0: "batch"} for name in (*ONNX_INPUTS, *ONNX_OUTPUTS)}
+        torch.onnx.export(actor, example, str(path), input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
+                          dynamic_axes=axes, dynamo=False, opset_version=min(opset, 17))
+    else:
+        raise ValueError(f"onnx exporter {exporter!r}: use 'dynamo' or 'torchscript'")
+
+
+def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = "uint8", onnx: bool = True,
+                  onnx_exporter: str = "dynamo", overwrite: bool = False) -> dict[str, Any]:
+    """Checkpoint -> bundle directory (see the module docstring); returns the spec written to ``spec.json``."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    if bev_dtype not in ("uint8", "float32"):
+        raise ValueError(f"bev_dtype={bev_dtype!r}: use uint8 or float32")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise BundleError(f"bundle folder {out} is not empty; pick another folder or pass overwrite=true")
+    out.mkdir(parents=True, exist_ok=True)
+    policy, ckpt = policy_from_checkpoint(checkpoint, "cpu")
+    policy = policy.float()
+    config = ckpt.get("config") or {}
+    actor = Actor(policy).eval()
+    example = _example_inputs(policy, 2, bev_dtype)
+
+    state = {k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()}
+    save_file(state, str(out / FILES["weights"]), metadata={"format": BUNDLE_FORMAT, "carl_version": carl_version()})
+    with torch.no_grad():
+        traced = torch.jit.trace(actor, example)
+    traced.save(str(out / FILES["torchscript"]))
+    if onnx:
+        export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
+    OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
+
+    source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
+              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
+    spec = make_spec(policy, config, source, bev_dtype)
+    if not onnx:
+        spec["files"].pop("onnx")
+    spec["sha256"] = {name: sha256_file(out / name) for name in spec["files"].values()}
+    (out / FILES["spec"]).write_text(json.dumps(spec, indent=2) + "\n")
+    return spec
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------------------------
+def read_spec(bundle: str | Path) -> dict[str, Any]:
+    """``spec.json`` of a bundle, checked for format and version."""
+    path = Path(bundle) / FILES["spec"]
+    if not path.is_file():
+        raise BundleError(f"{bundle} is not a policy bundle: {path.name} is missing (export one with carl-export)")
+    try:
+        spec = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc})") from None
+    if spec.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{path} is not a carl policy bundle (format {spec.get('format')!r})")
+    if spec.get("bundle_version") != BUNDLE_VERSION:
+        raise BundleError(f"{path} has bundle version {spec.get('bundle_version')}, this code reads version "
+                          f"{BUNDLE_VERSION}; re-export it with this carl version")
+    return spec
+
+
+def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
+    from safetensors.torch import load_file
+
+    spec = read_spec(bundle)
+    weights = bundle / spec["files"]["weights"]
+    if not weights.is_file():
+        raise BundleError(f"bundle {bundle} lacks {weights.name}")
+    signature = spec["model"]["signature"]
+    where = f"bundle {bundle}"
+    policy = build_policy(signature["obs_shapes"], spec["model"], where)
+    _check_signature(policy, signature, where)
+    _load_weights(policy, load_file(str(weights)), where)
+    return policy.to(device).eval()
+
+
+@dataclass
+class LoadedPolicy:
+    """``obs dict -> action [B, 2]``: Beta mean (``deterministic``) or a Beta sample. ``spec`` describes the inputs."""
+
+    spec: dict[str, Any]
+    device: torch.device
+    deterministic: bool = True
+    actor: nn.Module | None = None  # torch or TorchScript actor
+    session: Any = None  # onnxruntime.InferenceSession
+
+    def distribution(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(deterministic action, alpha, beta) for a batch of observations."""
+        bev, meas = obs[OBS_BEV], obs[OBS_MEASUREMENTS].float()
+        if self.session is not None:
+            want_u8 = self.spec["observations"][OBS_BEV]["dtype"] == "uint8"
+            feeds = {OBS_BEV: (bev.to(torch.uint8) if want_u8 else bev.float()).cpu().numpy(),
+                     OBS_MEASUREMENTS: meas.cpu().numpy()}
+            outs = self.session.run(list(ONNX_OUTPUTS), feeds)
+            action, alpha, beta = (torch.from_numpy(o).to(obs[OBS_MEASUREMENTS].device) for o in outs)
+            return action, alpha, beta
+        assert self.actor is not None
+        with torch.no_grad():
+            return self.actor(bev.to(self.device), meas.to(self.device))
+
+    def __call__(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        action, alpha, beta = self.distribution(obs)
+        return action if self.deterministic else beta_sample(alpha, beta)
+
+
+def load_policy(path: str | Path, device: str | torch.device = "cpu", deterministic: bool = True,
+                backend: str = "torch") -> tuple[LoadedPolicy, dict[str, Any]]:
+    """Load a bundle directory or a ``.pt`` checkpoint; return ``(policy, spec)``.
+
+    ``policy(obs)`` maps an observation dict (``bev`` [B, C, H, W], ``measurements`` [B, 8]) to actions [B, 2] in
+    [-1, 1]. ``backend``: ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint),
+    ``torchscript`` or ``onnx`` (bundle only: run ``policy.ts`` / ``policy.onnx``).
+    """
+    path = Path(path)
+    device = torch.device(device)
+    if path.is_dir():
+        spec = read_spec(path)
+        if backend == "torch":
+            return LoadedPolicy(spec, device, deterministic, actor=Actor(_policy_from_bundle(path, device))), spec
+        if backend == "torchscript":
+            actor = torch.jit.load(str(path / spec["files"]["torchscript"]), map_location=device).eval()
+            return LoadedPolicy(spec, device, deterministic, actor=actor), spec
+        if backend == "onnx":
+            import onnxruntime as ort
+
+            if "onnx" not in spec["files"]:
+                raise BundleError(f"bundle {path} was exported without ONNX")
+            session = ort.InferenceSession(str(path / spec["files"]["onnx"]), providers=["CPUExecutionProvider"])
+            return LoadedPolicy(spec, device, deterministic, session=session), spec
+        raise ValueError(f"backend={backend!r}: use torch, torchscript or onnx")
+    if not path.exists():
+        raise CheckpointError(f"policy {path} does not exist (give a checkpoint .pt file or a bundle directory)")
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r} needs a bundle directory; {path} is a checkpoint (run carl-export)")
+    policy, ckpt = policy_from_checkpoint(path, device)
+    source = {"checkpoint": str(path.resolve()), "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
+    spec = make_spec(policy, ckpt.get("config") or {}, source)
+    return LoadedPolicy(spec, device, deterministic, actor=Actor(policy)), spec
+
+
+def random_observations(spec: dict[str, Any], batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random actor inputs matching ``spec``: BEV uniform in 0..255, measurements standard normal."""
+    gen = torch.Generator().manual_seed(seed)
+    bev_shape = spec["observations"][OBS_BEV]["shape"]
+    meas_shape = spec["observations"][OBS_MEASUREMENTS]["shape"]
+    return {OBS_BEV: torch.randint(0, 256, (batch, *bev_shape), generator=gen, dtype=torch.uint8),
+            OBS_MEASUREMENTS: torch.randn(batch, *meas_shape, generator=gen)}
+
+
+def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch: int = 8, seed: int = 0
+                 ) -> dict[str, float]:
+    """Largest absolute difference of (action, alpha, beta) between each backend of ``bundle`` and ``reference``
+    (the source checkpoint; default the bundle's own weights), on ``batch`` random observations."""
+    bundle = Path(bundle)
+    ref, spec = load_policy(reference if reference is not None else bundle)
+    obs = random_observations(read_spec(bundle), batch, seed)
+    want = ref.distribution(obs)
+    diffs: dict[str, float] = {}
+    backends = ["torch", "torchscript"] + (["onnx"] if "onnx" in read_spec(bundle)["files"] else [])
+    for backend in backends:
+        got = load_policy(bundle, backend=backend)[0].distribution(obs)
+        diffs[backend] = max(float((g.cpu() - w.cpu()).abs().max()) for g, w in zip(got, want))
+    return diffs
+
+
+__all__ = ["Actor", "BundleError", "LoadedPolicy", "check_bundle", "export_bundle", "load_policy",
+           "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]
