@@ -494,7 +494,7 @@ def plot_scores(records: list[dict[str, Any]], path: Path, title: str) -> None:
     bar = max(6, min(24, 900 // n))
     left, top, bottom, right = 40, 30, 40, 20
     w, h = left + right + n * bar, 320
-    img = Image.new("RGB", (max(w, 360), h), "white")
+    img = Image.new("RGB", (max(w, 560), h), "white")
     d = ImageDraw.Draw(img)
     font = _font()
     ph = h - top - bottom

@@ -1,0 +1,99 @@
+"""carl-eval on short held-out routes: Leaderboard results layout, summary, resume, refusal, bad benchmarks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from carl.evaluate import EvalError, compose, main, run
+
+# 2 short procedural routes, episodes capped at 8 s: a few seconds per run on a laptop core
+SHORT = ["benchmark=towns", "benchmark.num_routes=2", "+benchmark.options.route_length=[15,25]",
+         "+benchmark.options.max_time=8", "+benchmark.options.num_vehicles=2", "+benchmark.options.num_pedestrians=1",
+         "worst_videos=0", "torch_threads=1"]
+
+
+def evaluate(out: Path, *extra: str) -> tuple[dict, list[str]]:
+    lines: list[str] = []
+    summary = run(compose("eval", [*SHORT, f"out_dir={out}", *extra]), log=lines.append)
+    return summary, lines
+
+
+def test_expert_results_summary_and_resume(tmp_path: Path) -> None:
+    out = tmp_path / "expert"
+    summary, _ = evaluate(out, "policy=expert", "worst_videos=1", "video_max_frames=5")
+    results = json.loads((out / "results.json").read_text())
+    records = results["_checkpoint"]["records"]
+    assert len(records) == 2 and results["_checkpoint"]["progress"] == [2, 2] and results["entry_status"] == "Finished"
+    for r in records:
+        assert set(r) >= {"index", "route_id", "status", "infractions", "scores", "meta", "num_infractions"}
+        assert set(r["scores"]) == {"score_route", "score_penalty", "score_composed"}
+        assert r["scores"]["score_composed"] == pytest.approx(r["scores"]["score_route"] * r["scores"]["score_penalty"],
+                                                              abs=1e-3)
+        assert {"collisions_vehicle", "collisions_layout", "red_light", "route_dev", "vehicle_blocked"} <= set(r["infractions"])
+        assert r["meta"]["route_length"] > 10 and r["meta"]["duration_game"] > 0
+    assert results["_checkpoint"]["global_record"]["scores_mean"]["score_composed"] == pytest.approx(summary["driving_score"])
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["routes"] == 2 and saved["policy"] == "expert" and saved["benchmark"] == "towns"
+    assert {"driving_score", "route_completion", "infraction_score", "infractions_per_km", "km"} <= set(saved)
+    for name in ("summary.md", "summary.csv", "score_per_route.png", "infractions.png"):
+        assert (out / name).is_file(), name
+    assert len(list((out / "videos").glob("*.gif"))) == 1
+    assert (out / "summary.csv").read_text().splitlines()[1].startswith("expert,2/2,")
+
+    # an interrupted run: one route's record is missing; the re-run records only that one
+    kept = records[0]
+    results["_checkpoint"]["records"] = [kept]
+    (out / "results.json").write_text(json.dumps(results))
+    again, lines = evaluate(out, "policy=expert")
+    assert any("resuming" in line and "1/2" in line for line in lines)
+    records2 = json.loads((out / "results.json").read_text())["_checkpoint"]["records"]
+    assert len(records2) == 2 and records2[0] == kept and again["routes"] == 2
+    assert {r["route_id"] for r in records2} == {r["route_id"] for r in records}
+
+    # everything finished: nothing is driven again
+    _, lines = evaluate(out, "policy=expert")
+    assert not any(line.startswith("  ") and "DS" in line for line in lines)
+
+
+def test_results_of_another_policy_are_not_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"carl": {"policy": {"kind": "expert"}}, "_checkpoint": {"records": []}}))
+    with pytest.raises(EvalError, match="already holds results of another evaluation"):
+        evaluate(out, "policy=random")
+    summary, _ = evaluate(out, "policy=random", "overwrite=true")
+    assert summary["routes"] == 2 and summary["policy"] == "random"
+
+
+def test_benchmarks_without_routes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(EvalError, match="has no routes"):
+        evaluate(tmp_path / "a", "policy=expert", "benchmark.num_routes=0")
+    with pytest.raises(EvalError, match=r"towns \['Town99'\] have no routes"):
+        run(compose("eval", ["benchmark=longest6", "benchmark.towns=[Town99]", f"out_dir={tmp_path / 'b'}"]))
+    with pytest.raises(EvalError, match="val14.*not available yet"):
+        run(compose("eval", ["benchmark=val14", f"out_dir={tmp_path / 'c'}"]))
+    empty = tmp_path / "empty.xml"
+    empty.write_text("<routes></routes>")
+    with pytest.raises(SystemExit) as exc:  # the CLI: exit code 2 and a message naming the file
+        main(["benchmark=longest6", f"benchmark.route_file={empty}", f"out_dir={tmp_path / 'd'}"])
+    assert exc.value.code == 2 and "empty.xml" in capsys.readouterr().err
+
+
+def test_unknown_policy_path(tmp_path: Path) -> None:
+    with pytest.raises(EvalError, match="no such file or folder"):
+        evaluate(tmp_path / "x", f"policy={tmp_path / 'nope.pt'}")
+
+
+def test_checkpoint_policy_with_baselines(tmp_path: Path) -> None:
+    from test_export import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "run" / "last.pt")
+    out = tmp_path / "learned"
+    summary, _ = evaluate(out, f"policy={ckpt}", "baselines=true")
+    assert summary["routes"] == 2 and summary["policy_id"]["kind"] == "checkpoint"
+    rows = (out / "summary.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["run/last", "random", "expert"]
+    for name in ("random", "expert"):
+        assert json.loads((out / "baselines" / name / "summary.json").read_text())["routes"] == 2
