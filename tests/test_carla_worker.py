@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from envs.carla.servers import CarlaServer, PortAllocator
 from envs.carla.testing import standin_executable
 from envs.carla.vector import make_carla_env
 from envs.carla.worker import CarlaError
@@ -37,42 +38,48 @@ def run_script(code: str, *args: str, timeout: float = 120.0) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-CLIENT = """
-    import json, sys, carla
-    from pathlib import Path
-    from envs.carla.servers import CarlaServer, PortAllocator
-    from envs.carla.testing import standin_executable
-    tmp, xodr, maps = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    srv = CarlaServer(standin_executable(tmp, xodr, maps), PortAllocator(base=23600).allocate(), tmp, ready_timeout=30)
-    srv.start(); srv.wait_ready()
+@pytest.fixture
+def standin(tmp_path: Path):
+    """A stand-in server owned by the test process: started here, killed by its process group in teardown, also when
+    the client subprocess aborts."""
+    srv = CarlaServer(standin_executable(tmp_path, TOWN01, MAPS), PortAllocator(base=23600).allocate(), tmp_path,
+                      ready_timeout=30)
+    srv.start()
     try:
-        c = carla.Client("127.0.0.1", srv.ports.rpc); c.set_timeout(5.0)
-        world = c.load_world("Town02")
-        out = {"map": world.get_map().name}
-        s = world.get_settings(); s.synchronous_mode = True; s.fixed_delta_seconds = 0.1; world.apply_settings(s)
-        bp = world.get_blueprint_library().find("vehicle.lincoln.mkz_2020")
-        v = world.spawn_actor(bp, carla.Transform(carla.Location(x=10, y=2, z=0.5), carla.Rotation(yaw=90)))
-        w = world.spawn_actor(world.get_blueprint_library().filter("walker.*")[0],
-                              carla.Transform(carla.Location(x=30, y=0, z=1.0)))
-        v.apply_control(carla.VehicleControl(throttle=1.0))
-        frames = [world.tick() for _ in range(10)]
-        out["frames_increase"] = all(b == a + 1 for a, b in zip(frames, frames[1:]))
-        t, vel = v.get_transform(), v.get_velocity()
-        out["moved_y"], out["speed"], out["x"] = t.location.y - 2.0, vel.length(), t.location.x
-        out["actors"] = sorted(a.type_id for a in world.get_actors())
-        try:
-            c.load_world("Town99")
-            out["unknown_town"] = "no error"
-        except RuntimeError as e:
-            out["unknown_town"] = str(e)
-        print(json.dumps(out))
+        srv.wait_ready()
+        yield srv
     finally:
         srv.kill()
+
+
+CLIENT = """
+    import json, sys, carla
+    port = int(sys.argv[1])
+    c = carla.Client("127.0.0.1", port); c.set_timeout(5.0)
+    world = c.load_world("Town02")
+    out = {"map": world.get_map().name}
+    s = world.get_settings(); s.synchronous_mode = True; s.fixed_delta_seconds = 0.1; world.apply_settings(s)
+    bp = world.get_blueprint_library().find("vehicle.lincoln.mkz_2020")
+    v = world.spawn_actor(bp, carla.Transform(carla.Location(x=10, y=2, z=0.5), carla.Rotation(yaw=90)))
+    w = world.spawn_actor(world.get_blueprint_library().filter("walker.*")[0],
+                          carla.Transform(carla.Location(x=30, y=0, z=1.0)))
+    v.apply_control(carla.VehicleControl(throttle=1.0))
+    frames = [world.tick() for _ in range(10)]
+    out["frames_increase"] = all(b == a + 1 for a, b in zip(frames, frames[1:]))
+    t, vel = v.get_transform(), v.get_velocity()
+    out["moved_y"], out["speed"], out["x"] = t.location.y - 2.0, vel.length(), t.location.x
+    out["actors"] = sorted(a.type_id for a in world.get_actors())
+    try:
+        c.load_world("Town99")
+        out["unknown_town"] = "no error"
+    except RuntimeError as e:
+        out["unknown_town"] = str(e)
+    print(json.dumps(out))
 """
 
 
-def test_real_client_against_standin(tmp_path: Path) -> None:
-    r = run_script(CLIENT, str(tmp_path), str(TOWN01), str(MAPS))
+def test_real_client_against_standin(standin) -> None:
+    r = run_script(CLIENT, str(standin.ports.rpc))
     assert r["map"].endswith("Town02") and r["frames_increase"]
     assert r["moved_y"] > 1.5 and abs(r["x"] - 10.0) < 1e-3 and 3.0 < r["speed"] < 6.0  # yaw 90 = CARLA +y
     assert r["actors"][:2] == ["spectator", "vehicle.lincoln.mkz_2020"] and r["actors"][2].startswith("walker.")
@@ -82,16 +89,12 @@ def test_real_client_against_standin(tmp_path: Path) -> None:
 EQUALITY = """
     import json, sys, torch
     from pathlib import Path
-    from envs.carla.servers import CarlaServer, PortAllocator
-    from envs.carla.testing import standin_executable
     from envs.carla.worker import CarlaWorker, split_options
     from envs.sim.env import SimEnv
-    tmp, xodr = Path(sys.argv[1]), sys.argv[2]
-    srv = CarlaServer(standin_executable(tmp, xodr), PortAllocator(base=23700).allocate(), tmp, ready_timeout=30)
-    srv.start(); srv.wait_ready()
+    rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
                                 bev_size=64, route_split="eval", num_routes=16))
-    w = CarlaWorker(cc, sc, srv.ports.rpc, srv.ports.tm, seed=3, server=srv)
+    w = CarlaWorker(cc, sc, rpc, tm, seed=3)
     sim = SimEnv(sc, 1, "cpu", seed=3)
     diff = lambda a, b: {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
     out = {"reset": diff(w.reset(seed=3), sim.reset(seed=3))}
@@ -106,10 +109,10 @@ EQUALITY = """
 """
 
 
-def test_first_observations_equal_the_builtin_simulator(tmp_path: Path) -> None:
+def test_first_observations_equal_the_builtin_simulator(standin) -> None:
     """Same route, same actions, no traffic: bitwise on reset and the first step (the stand-in moves the ego with the
     simulator's bicycle); float32 pose round trips through CARLA's frame allow 1e-5 on measurements later."""
-    r = run_script(EQUALITY, str(tmp_path), str(TOWN01))
+    r = run_script(EQUALITY, str(standin.ports.rpc), str(standin.ports.tm))
     assert r["reset"] == {"measurements": 0.0, "value_measurements": 0.0, "bev": 0.0}
     assert r["step1"] == {"measurements": 0.0, "value_measurements": 0.0, "bev": 0.0}
     assert r["step5"]["measurements"] < 1e-5 and r["step5"]["value_measurements"] < 1e-5
