@@ -18,8 +18,11 @@ nuPlan planner adapter and ``carl-eval``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -226,6 +229,22 @@ def _example_inputs(policy: CarlPolicy, batch: int, bev_dtype: str) -> tuple[tor
     return (bev if bev_dtype == "uint8" else bev.float()), meas
 
 
+@contextlib.contextmanager
+def _quiet_export() -> Any:
+    """Silence the exporters' deprecation warnings and optional-dependency log lines (torchvision ops)."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
 def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: Path, exporter: str = "dynamo",
                 opset: int = 18) -> None:
     """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
@@ -255,6 +274,8 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise BundleError(f"bundle folder {out} is not empty; pick another folder or pass overwrite=true")
+        for name in FILES.values():  # no stale file of an earlier export may survive next to the new spec
+            (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     policy, ckpt = policy_from_checkpoint(checkpoint, "cpu")
     policy = policy.float()
@@ -264,11 +285,12 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
 
     state = {k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()}
     save_file(state, str(out / FILES["weights"]), metadata={"format": BUNDLE_FORMAT, "carl_version": carl_version()})
-    with torch.no_grad():
-        traced = torch.jit.trace(actor, example)
-    traced.save(str(out / FILES["torchscript"]))
-    if onnx:
-        export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
+    with _quiet_export():
+        with torch.no_grad():
+            traced = torch.jit.trace(actor, example)
+        traced.save(str(out / FILES["torchscript"]))
+        if onnx:
+            export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
     OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
 
     source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
@@ -360,7 +382,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
         if backend == "torch":
             return LoadedPolicy(spec, device, deterministic, actor=Actor(_policy_from_bundle(path, device))), spec
         if backend == "torchscript":
-            actor = torch.jit.load(str(path / spec["files"]["torchscript"]), map_location=device).eval()
+            with _quiet_export():
+                actor = torch.jit.load(str(path / spec["files"]["torchscript"]), map_location=device).eval()
             return LoadedPolicy(spec, device, deterministic, actor=actor), spec
         if backend == "onnx":
             import onnxruntime as ort

@@ -564,7 +564,9 @@ def record_worst(records: list[dict[str, Any]], bench: Benchmark, policy: Policy
         images = [Image.fromarray(f) for f in frames]
         images[0].save(path, save_all=True, append_images=images[1:], duration=100, loop=0, optimize=False)
         paths.append(path)
-        log(f"  video {path} ({len(frames)} frames, DS {stats.get('driving_score', float('nan')):.1f} when re-driven)")
+        end = (f"DS {stats['driving_score']:.1f} when re-driven" if "driving_score" in stats
+               else f"cut at video_max_frames={max_frames}")
+        log(f"  video {path} ({len(frames)} frames, {end})")
     return paths
 
 
