@@ -141,7 +141,8 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
         raise EvalError(
             f"benchmark={name} (env=nuplan) is not available yet: envs/nuplan reports the simulator's Leaderboard "
             "scores per episode but not the per-scenario nuPlan closed-loop score (CLS) that Val14 is scored with "
-            "(envs/metrics/nuplan.py computes it from logged trajectories, which the env does not expose). "
+            "(envs/metrics/nuplan.py computes it from a simulated trace: ego poses, actor boxes and lane geometry "
+            "per step, which the env does not record yet). "
             "Use benchmark=towns or benchmark=longest6 on env=sim.")
     if env != "sim":
         raise EvalError(f"benchmark={name}: env={env!r} is not supported by carl-eval yet (use env=sim)")
@@ -238,7 +239,7 @@ def resolve_policy(arg: str, device: torch.device) -> PolicySource:
 # Leaderboard records
 # ------------------------------------------------------------------------------------------------------------------
 def make_record(index: int, route_id: str, ep: dict[str, float], route_length: float | None, group: str,
-                route_index: int, wall_s: float) -> dict[str, Any]:
+                route_index: int, wall_s: float, dt: float = 0.1) -> dict[str, Any]:
     """One Leaderboard 2.0 route record from the simulator's ``episode/...`` statistics."""
     counts = {name: int(round(ep.get(f"episode/infractions/{name}", 0.0))) for name in LB_INFRACTION_KEYS}
     infractions: dict[str, list[str]] = {key: [] for key in (*LB_INFRACTION_KEYS.values(), *LB_EMPTY_KEYS)}
@@ -260,7 +261,7 @@ def make_record(index: int, route_id: str, ep: dict[str, float], route_length: f
         "infractions": infractions,
         "scores": {"score_route": rc, "score_penalty": penalty,
                    "score_composed": round(max(rc * penalty, 0.0), 6)},
-        "meta": {"route_length": route_length, "duration_game": round(float(ep.get("episode/length", 0)) * 0.1, 2),
+        "meta": {"route_length": route_length, "duration_game": round(float(ep.get("episode/length", 0)) * dt, 2),
                  "duration_system": round(wall_s, 2), "termination": reason},
         "carl": {"group": group, "route_index": route_index, "episode": ep},
         "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -314,32 +315,34 @@ class ResultStore:
         self.path = out_dir / "results.json"
         self.identity = identity
         self.total = total
-        if self.path.exists():
-            try:
-                data = json.loads(self.path.read_text())
-            except json.JSONDecodeError as exc:
-                if not overwrite:
-                    raise EvalError(f"{self.path} is not valid JSON ({exc}); pass overwrite=true to start over") from None
-                data = {}
-            if data and data.get("carl") != identity:
-                if not overwrite:
-                    raise EvalError(
-                        f"{out_dir} already holds results of another evaluation:\n  found    {json.dumps(data.get('carl'))}"
-                        f"\n  this run {json.dumps(identity)}\npick another out_dir=, or pass overwrite=true to replace them")
-                data = {}
-            if overwrite and data:
-                data = {}
-            self.records: list[dict[str, Any]] = data.get("_checkpoint", {}).get("records", []) if data else []
-            if not data:
-                self._clear()
-        else:
-            if (out_dir / "summary.json").exists() and not overwrite:
+        existing = self._load(overwrite)
+        if not overwrite:
+            if existing is not None and existing.get("carl") != identity:
+                raise EvalError(
+                    f"{out_dir} already holds results of another evaluation:\n  found    {json.dumps(existing.get('carl'))}"
+                    f"\n  this run {json.dumps(identity)}\npick another out_dir=, or pass overwrite=true to replace them")
+            if existing is None and (out_dir / "summary.json").exists():
                 raise EvalError(f"{out_dir} holds a summary.json without results.json; pick another out_dir= or pass "
                                 "overwrite=true")
-            if overwrite:
-                self._clear()
-            self.records = []
+        else:
+            self._clear()
+            existing = None
+        self.records: list[dict[str, Any]] = existing["_checkpoint"]["records"] if existing else []
         self.done = {r["route_id"] for r in self.records}
+
+    def _load(self, overwrite: bool) -> dict[str, Any] | None:
+        """The existing results.json (None if absent; unreadable is an error unless it will be overwritten)."""
+        if not self.path.exists():
+            return None
+        try:
+            data = json.loads(self.path.read_text())
+            data["_checkpoint"]["records"]  # noqa: B018 - the layout check
+            return data
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            if overwrite:
+                return None
+            raise EvalError(f"{self.path} is not a carl-eval results file ({type(exc).__name__}: {exc}); "
+                            "pass overwrite=true to start over") from None
 
     def _clear(self) -> None:
         for name in self.OUTPUTS:
@@ -426,7 +429,8 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
                 ep = {k: float(v[row].reshape(-1)[0]) for k, v in res.info.items() if k.startswith("episode/")}
                 rid = int(ep.get("episode/route_id", row))
                 length = float(lengths[rid]) if lengths is not None else None
-                store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0))
+                store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0,
+                                      float(group.options.get("dt", 0.1))))
                 pending.discard(row)
                 recorded += 1
                 rec = store.records[-1]
