@@ -490,10 +490,14 @@ def _font() -> Any:
 
 
 def plot_scores(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Bar chart: route completion (light) and driving score (dark) per route, in record order of route id."""
+    """Bar chart: route completion (light) and driving score (dark) per route, by group and route number."""
     from PIL import Image, ImageDraw
 
-    recs = sorted(records, key=lambda r: r["route_id"])
+    def number(r: dict[str, Any]) -> int:  # route ids end in their number (Town01_3, ..._rand7919_12)
+        tail = str(r["route_id"]).rsplit("_", 1)[-1]
+        return int(tail) if tail.isdigit() else int(r["carl"]["route_index"])
+
+    recs = sorted(records, key=lambda r: (r["carl"]["group"], number(r)))
     n = max(len(recs), 1)
     bar = max(6, min(24, 900 // n))
     left, top, bottom, right = 40, 30, 40, 20
@@ -512,9 +516,9 @@ def plot_scores(records: list[dict[str, Any]], path: Path, title: str) -> None:
             v = max(0.0, min(100.0, r["scores"][key]))
             d.rectangle([x + 1, top + ph - ph * v / 100, x + bar - 2, top + ph], fill=colour)
         if bar >= 12 or i % max(1, 12 // bar) == 0:
-            d.text((x + 1, top + ph + 4), str(r["carl"]["route_index"]), fill="black", font=font)
+            d.text((x + 1, top + ph + 4), str(number(r)), fill="black", font=font)
     d.text((left, 8), f"{title}: driving score (dark) and route completion (light) per route", fill="black", font=font)
-    d.text((left, h - 16), "route index within its group", fill=(90, 90, 90), font=font)
+    d.text((left, h - 16), "route id (grouped by town)", fill=(90, 90, 90), font=font)
     img.save(path)
 
 
@@ -559,7 +563,7 @@ def record_worst(records: list[dict[str, Any]], bench: Benchmark, policy: Policy
         env = _make_env(group, idx + 1, device, seed, extra)  # rows 0..idx; row idx drives route idx
         try:
             frames, stats = record_episode(env, policy.make(env, group.env), row=idx, max_steps=max_frames,
-                                           scale=2 if env.cfg.bev_size <= 128 else 1)
+                                           scale=max(1, 256 // env.cfg.bev_size))  # frames >= 256 px
         finally:
             env.close()
         if not frames:
