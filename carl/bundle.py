@@ -290,7 +290,11 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
             traced = torch.jit.trace(actor, example)
         traced.save(str(out / FILES["torchscript"]))
         if onnx:
-            export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
+            try:
+                export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
+            except ImportError as exc:
+                raise BundleError(f"ONNX export needs the export extra ({exc}): pip install -e '.[export]', "
+                                  "or pass onnx=false") from None
     OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
 
     source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
@@ -386,8 +390,10 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
                 actor = torch.jit.load(str(path / spec["files"]["torchscript"]), map_location=device).eval()
             return LoadedPolicy(spec, device, deterministic, actor=actor), spec
         if backend == "onnx":
-            import onnxruntime as ort
-
+            try:
+                import onnxruntime as ort
+            except ImportError:
+                raise BundleError("backend=onnx needs onnxruntime: pip install -e '.[export]'") from None
             if "onnx" not in spec["files"]:
                 raise BundleError(f"bundle {path} was exported without ONNX")
             session = ort.InferenceSession(str(path / spec["files"]["onnx"]), providers=["CPUExecutionProvider"])

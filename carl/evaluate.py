@@ -94,7 +94,8 @@ def compose(config_name: str, overrides: list[str]) -> dict[str, Any]:
         data = OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types; all are user errors here
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{msg} (overrides: {' '.join(overrides) or 'none'})") from None
+        hint = f"; `carl-{config_name} --cfg` prints every key" if "override" in msg.lower() else ""
+        raise ConfigError(f"{msg} (overrides: {' '.join(overrides) or 'none'}){hint}") from None
     assert isinstance(data, dict)
     return data
 

@@ -5,6 +5,7 @@ Usage::
     carl-export checkpoint=runs/quick-20250101-120000/best.pt               # -> runs/quick-.../bundle-best
     carl-export checkpoint=runs/quick-.../last.pt out_dir=bundles/quick bev_dtype=float32
     carl-export checkpoint=... onnx_exporter=torchscript overwrite=true
+    carl-export --cfg                                   # print the composed config and exit
 
 After writing, the TorchScript and ONNX graphs are compared with the checkpoint on random observations
 (``check=true``); a difference above 1e-4 is an error (exit code 1). Bad input exits with code 2.
@@ -52,7 +53,12 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         sys.exit(0)
     try:
-        cfg = compose("export", argv)
+        cfg = compose("export", [a for a in argv if a != "--cfg"])
+        if "--cfg" in argv:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+            sys.exit(0)
         if cfg.get("checkpoint") in (None, "???"):
             raise ConfigError("checkpoint=<path to a .pt checkpoint> is required")
         code = run(cfg)
