@@ -186,7 +186,8 @@ class PolicySource:
 
     name: str  # display name: expert, random, or the checkpoint/bundle name
     kind: str  # expert | random | learned
-    identity: dict[str, Any]  # recorded in results.json; another identity in the same folder is refused
+    identity: dict[str, Any]  # kind + weights hash; another identity in the same results folder is refused
+    path: str | None = None  # resolved checkpoint/bundle path (informative: a moved bundle is the same policy)
     loaded: Any = None  # carl.bundle.LoadedPolicy
     spec: dict[str, Any] | None = None
 
@@ -215,7 +216,7 @@ class PolicySource:
         for key, want in self.spec["observations"].items():
             have = env.observation_spec.get(key)
             if have is None or list(have.shape) != list(want["shape"]):
-                raise EvalError(f"policy {self.identity.get('path')} expects {key} of shape {want['shape']}, the "
+                raise EvalError(f"policy {self.path} expects {key} of shape {want['shape']}, the "
                                 f"benchmark env gives {None if have is None else list(have.shape)}")
 
 
@@ -231,9 +232,8 @@ def resolve_policy(arg: str, device: torch.device) -> PolicySource:
     loaded, spec = load_policy(path, device=device, deterministic=True)
     weights = path / spec["files"]["weights"] if path.is_dir() else path
     name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
-    identity = {"kind": "bundle" if path.is_dir() else "checkpoint", "path": str(path.resolve()),
-                "sha256": sha256_file(weights)}
-    return PolicySource(name, "learned", identity, loaded, spec)
+    identity = {"kind": "bundle" if path.is_dir() else "checkpoint", "sha256": sha256_file(weights)}
+    return PolicySource(name, "learned", identity, loaded, spec, str(path.resolve()))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -600,7 +600,8 @@ def evaluate_policy(policy: PolicySource, bench: Benchmark, out_dir: Path, devic
         if n:
             log(f"{policy.name} | {group.name}: {n} routes in {time.perf_counter() - t0:.0f}s")
     summary = summarize(store.records, bench.num_routes)
-    summary.update(policy=policy.name, policy_id=policy.identity, benchmark=bench.name, env=bench.env, seed=seed)
+    summary.update(policy=policy.name, policy_id=policy.identity, policy_path=policy.path, benchmark=bench.name,
+                   env=bench.env, seed=seed)
     store.write(summary)
     write_result(summary, out_dir / "summary.json")
     return summary, store.records
