@@ -233,7 +233,7 @@ def resolve_policy(arg: str, device: torch.device) -> PolicySource:
     weights = path / spec["files"]["weights"] if path.is_dir() else path
     name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
     identity = {"kind": "bundle" if path.is_dir() else "checkpoint", "sha256": sha256_file(weights)}
-    return PolicySource(name, "learned", identity, loaded, spec, str(path.resolve()))
+    return PolicySource(name, "learned", identity, path=str(path.resolve()), loaded=loaded, spec=spec)
 
 
 # ------------------------------------------------------------------------------------------------------------------
