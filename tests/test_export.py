@@ -15,6 +15,10 @@ from carl.config import TrainConfig
 from carl.policy import CarlPolicy
 from envs.api import TensorSpec
 
+# the export extra (pyproject: onnx, onnxscript, onnxruntime; also in dev)
+pytest.importorskip("onnx", reason="ONNX export needs the export extra: pip install -e '.[export]'")
+pytest.importorskip("onnxruntime", reason="ONNX parity needs the export extra: pip install -e '.[export]'")
+
 TINY_BEV = {"bev_size": 32, "bev_ppm": 1.0, "bev_ego_from_bottom": 10}
 TINY_MODEL = {"features_dim": 32, "hidden_dim": 32, "fusion_dim": 64}
 
@@ -86,6 +90,7 @@ def test_bundle_reloads_with_the_checkpoint_actions(exported: tuple[Path, Path])
 
 @pytest.mark.slow
 def test_dynamo_exporter_parity(exported: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("onnxscript", reason="the default ONNX exporter needs onnxscript (export extra)")
     ckpt, _ = exported
     export_bundle(ckpt, tmp_path / "b")  # the default exporter (torch.export)
     assert all(d <= 1e-4 for d in check_bundle(tmp_path / "b", ckpt, batch=5).values())
