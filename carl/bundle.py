@@ -67,9 +67,7 @@ class Actor(nn.Module):
         self.policy = policy
 
     def forward(self, bev: torch.Tensor, measurements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        feat = self.policy.features({OBS_BEV: bev, OBS_MEASUREMENTS: measurements})
-        alpha, beta = self.policy._heads(feat)  # noqa: SLF001 - the actor heads, without the value head
-        alpha, beta = alpha.float(), beta.float()
+        alpha, beta = self.policy.actor({OBS_BEV: bev, OBS_MEASUREMENTS: measurements})
         return beta_mean_action(alpha, beta), alpha, beta
 
 

@@ -251,6 +251,11 @@ class CarlPolicy(nn.Module):
         )
 
     @torch.no_grad()
+    def actor(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beta parameters (alpha, beta) in float32, without the value head (export, deployment)."""
+        alpha, beta = self._heads(self.features(obs))
+        return alpha.float(), beta.float()
+
     def deterministic_action(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Beta mean in [-1, 1]: the evaluation action (CaRL's SAMPLE_TYPE=mean)."""
         feat = self.features(obs)
