@@ -44,7 +44,7 @@ import torch
 
 from carl.checkpoint import CheckpointError
 from carl.config import ConfigError
-from carl.evaluate_loop import PolicyFn, aggregate, expert_factory, random_policy, write_result
+from carl.evaluate_loop import PolicyFn, aggregate, expert_factory, random_policy, run_first_episodes, write_result
 from envs.api import BatchedEnv
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -417,29 +417,21 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
         lengths = getattr(getattr(env, "world", None), "route_len", None)
         act = policy.make(env, group.env)
         t0 = time.perf_counter()
-        obs = env.reset(seed=seed)
         recorded = 0
-        for _ in range(max_steps):
-            with torch.no_grad():
-                action = act(obs)
-            res = env.step(action)
-            done = (res.terminated | res.truncated).cpu()
-            for row in done.nonzero(as_tuple=True)[0].tolist():
-                if row not in pending:
-                    continue
-                ep = {k: float(v[row].reshape(-1)[0]) for k, v in res.info.items() if k.startswith("episode/")}
-                rid = int(ep.get("episode/route_id", row))
-                length = float(lengths[rid]) if lengths is not None else None
-                store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0,
-                                      float(group.options.get("dt", 0.1))))
-                pending.discard(row)
-                recorded += 1
-                rec = store.records[-1]
-                log(f"  {names[rid]}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
-                    f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
-            if not pending:
-                break
-            obs = res.obs
+
+        def record(row: int, ep: dict[str, float]) -> None:
+            nonlocal recorded
+            rid = int(ep.get("episode/route_id", row))
+            length = float(lengths[rid]) if lengths is not None else None
+            store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0,
+                                  float(group.options.get("dt", 0.1))))
+            pending.discard(row)
+            recorded += 1
+            rec = store.records[-1]
+            log(f"  {names[rid]}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
+                f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
+
+        run_first_episodes(env, act, max_steps, seed=seed, on_episode=record, rows=set(pending))
         if pending:
             log(f"  {len(pending)} routes of {group.name} did not finish within max_steps={max_steps}; not recorded")
         return recorded

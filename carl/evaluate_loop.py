@@ -26,24 +26,29 @@ PolicyFactory = Callable[[BatchedEnv], PolicyFn]
 EnvFactory = Callable[[int], BatchedEnv]  # num_envs -> eval env
 
 
-def run_first_episodes(env: BatchedEnv, policy: PolicyFn, max_steps: int, seed: int | None = None) -> list[dict[str, float]]:
-    """Step all rows until each finished one episode (or ``max_steps``); return those episodes' statistics."""
+def run_first_episodes(env: BatchedEnv, policy: PolicyFn, max_steps: int, seed: int | None = None,
+                       on_episode: Callable[[int, dict[str, float]], None] | None = None,
+                       rows: set[int] | None = None) -> list[dict[str, float]]:
+    """Step all rows until each wanted row (default: all) finished one episode, or ``max_steps``; return those
+    episodes' statistics in row order. ``on_episode(row, stats)`` is called as each one finishes."""
     obs = env.reset(seed=seed)
-    episodes: list[dict[str, float] | None] = [None] * env.num_envs
+    wanted = set(range(env.num_envs)) if rows is None else set(rows)
+    episodes: dict[int, dict[str, float]] = {}
     for _ in range(max_steps):
+        if len(episodes) == len(wanted):
+            break
         with torch.no_grad():
             action = policy(obs)
         res = env.step(action)
         done = (res.terminated | res.truncated).cpu()
         for row in done.nonzero(as_tuple=True)[0].tolist():
-            if episodes[row] is None:
-                episodes[row] = {
-                    k: float(v[row].reshape(-1)[0]) for k, v in res.info.items() if k.startswith("episode/")
-                }
-        if all(e is not None for e in episodes):
-            break
+            if row in wanted and row not in episodes:
+                episodes[row] = {k: float(v[row].reshape(-1)[0]) for k, v in res.info.items()
+                                 if k.startswith("episode/")}
+                if on_episode is not None:
+                    on_episode(row, episodes[row])
         obs = res.obs
-    return [e for e in episodes if e is not None]
+    return [episodes[r] for r in sorted(episodes)]
 
 
 def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any]:

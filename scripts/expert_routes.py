@@ -15,10 +15,9 @@ import sys
 import time
 from collections import Counter
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from carl.evaluate_loop import run_first_episodes  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.routes import parse_leaderboard_xml  # noqa: E402
 from envs.sim.expert import Expert  # noqa: E402
@@ -26,19 +25,13 @@ from envs.sim.expert import Expert  # noqa: E402
 
 def drive(env, max_steps: int) -> list[dict]:
     """First finished episode of every row, driven by the expert."""
-    expert = Expert(env)
-    obs = env.reset()
-    got: dict[int, dict] = {}
-    for _ in range(max_steps):
-        r = env.step(expert(obs))
-        obs = r.obs
-        for b in torch.nonzero(r.info["done"]).flatten().tolist():
-            if b not in got:
-                got[b] = {k[8:]: round(float(v[b]), 4) for k, v in r.info.items() if k.startswith("episode/")}
-                got[b]["route"] = env.route_names[int(r.info["episode/route_id"][b])]
-        if len(got) == env.num_envs:
-            break
-    return [got[b] for b in sorted(got)]
+    episodes = run_first_episodes(env, Expert(env), max_steps)
+    out = []
+    for ep in episodes:
+        e = {k[8:]: round(v, 4) for k, v in ep.items()}
+        e["route"] = env.route_names[int(ep["episode/route_id"])]
+        out.append(e)
+    return out
 
 
 def summary(name: str, episodes: list[dict], seconds: float) -> dict:
