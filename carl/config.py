@@ -67,13 +67,29 @@ class PPOConfig:
 
 @dataclass
 class ParallelConfig:
-    """Device and process layout (one process here; the ``sync`` phase is 0)."""
+    """Device and process layout; with torchrun, how gradients are synchronised (``carl/parallel``)."""
 
     name: str = "single"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     bf16: bool = False  # bfloat16 autocast for the network (CUDA only)
     compile: bool = False  # torch.compile the network (CUDA only)
     torch_threads: int = 0  # 0 = leave PyTorch's default
+    # -- multi-process (torchrun); ignored with one process. See docs/distributed.md --
+    sync: str = "allreduce"  # allreduce | fp16 | bf16 | powersgd | lgreco | topk | localsgd
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    timeout_s: float = 1800.0  # a collective waiting longer than this fails with the rank and the reason
+    bucket_cap_mb: float = 0.0  # DDP bucket size; 0 = DDP's default (powersgd on gloo: one bucket)
+    powersgd_rank: int = 4  # powersgd rank; lgreco's uniform reference rank r0
+    powersgd_start_iter: int = 2  # plain all-reduce before this step (>= 2: DDP rebuilds buckets after step 1)
+    lgreco_every: int = 100  # re-plan the per-layer ranks every K optimiser steps
+    lgreco_acc_steps: int = 10  # steps averaged before each re-plan
+    lgreco_alpha: float = 1.0  # error budget = alpha * error of the uniform rank
+    topk_ratio: float = 0.01  # fraction of each layer's entries sent
+    local_steps: int = 8  # localsgd: optimiser steps between outer steps
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    staleness_penalty: float = 1.0  # the one-round-stale average is divided by this
+    outer_clip: float = 0.0  # clip the outer momentum to this norm; 0 = off
 
 
 @dataclass
@@ -237,7 +253,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
         f"parallel.device={dev!r} must be auto, cpu, cuda or cuda:N",
     )
-    _require(par.name == "single", f"parallel.name={par.name!r}: only parallel=single (one process) exists")
+    _require(par.name in ("single", "ddp"), f"parallel.name={par.name!r}: use parallel=single or parallel=ddp")
+    syncs = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
+    _require(par.sync in syncs, f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(syncs)}")
+    _require(par.backend in ("auto", "gloo", "nccl"), f"parallel.backend={par.backend!r} must be auto, gloo or nccl")
+    _require(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0, e.g. parallel.timeout_s=600")
+    _require(par.bucket_cap_mb >= 0, f"parallel.bucket_cap_mb={par.bucket_cap_mb} must be >= 0 (0 = default)")
+    for k in ("powersgd_rank", "lgreco_every", "lgreco_acc_steps", "local_steps"):
+        _require(getattr(par, k) >= 1, f"parallel.{k}={getattr(par, k)} must be >= 1")
+    _require(par.lgreco_alpha > 0, f"parallel.lgreco_alpha={par.lgreco_alpha} must be > 0, e.g. 1.0")
+    _require(0 < par.topk_ratio < 1, f"parallel.topk_ratio={par.topk_ratio} must be in (0, 1), e.g. 0.01")
+    _require(par.outer_lr > 0, f"parallel.outer_lr={par.outer_lr} must be > 0")
+    _require(0 <= par.outer_momentum < 1, f"parallel.outer_momentum={par.outer_momentum} must be in [0, 1)")
+    _require(par.staleness_penalty > 0, f"parallel.staleness_penalty={par.staleness_penalty} must be > 0")
+    _require(par.outer_clip >= 0, f"parallel.outer_clip={par.outer_clip} must be >= 0 (0 = off)")
     _require(par.torch_threads >= 0, f"parallel.torch_threads={par.torch_threads} must be >= 0 (0 = default)")
     for k in ("summary_every", "checkpoint_last_every"):
         v = getattr(lg, k)

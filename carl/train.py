@@ -30,6 +30,8 @@ from carl import checkpoint as ckpt_lib
 from carl.config import ConfigError, TrainConfig, check_device, from_dict, schema_keys
 from carl.evaluate_loop import PolicyFactory, evaluate, expert_factory, random_policy, write_result
 from carl.logging import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
+from carl.parallel import DistContext, DistributedError, init_distributed, make_sync
+from carl.parallel.launch import check_resume_world, check_world
 from carl.policy import CarlPolicy, describe
 from carl.ppo import PPOTrainer
 from envs.api import OBS_BEV, BatchedEnv
@@ -219,48 +221,85 @@ def seed_everything(seed: int) -> None:
 
 
 def train(cfg: TrainConfig) -> int:
+    """One process, or one rank of a torchrun launch (``WORLD_SIZE`` > 1): join the process group, then train."""
+    check_device(cfg, torch.cuda.is_available())
+    try:
+        ctx, device = init_distributed(cfg.parallel.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        return _train(cfg, ctx, device)
+    finally:
+        ctx.shutdown()
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     from omegaconf import OmegaConf
 
-    device = resolve_device(cfg)
-    run_dir = resolve_run_dir(cfg)
+    check_world(cfg, ctx.world_size)
+    run_dir = ctx.run_on_main(lambda: resolve_run_dir(cfg), "run folder")
+    say = print if ctx.is_main else (lambda *_a, **_k: None)  # only rank 0 prints, logs and writes files
     if cfg.parallel.torch_threads:
         torch.set_num_threads(cfg.parallel.torch_threads)
-    seed_everything(cfg.seed)
+    rank_seed = cfg.seed + 7919 * ctx.rank  # per-rank envs and sampling; rank 0 = the single-process seed
+    seed_everything(rank_seed)
 
     # -- env, model, trainer (the env first: a rejected option must not leave a run folder behind) -----------------
-    env = build_env(cfg, cfg.env.num_envs, device, cfg.seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    env = build_env(cfg, cfg.env.num_envs, device, rank_seed)
     cfg.run_dir = str(run_dir)
-    OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
-    print(f"run folder: {run_dir}", flush=True)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+    say(f"run folder: {run_dir}", flush=True)
     policy = CarlPolicy(env.observation_spec, env.action_spec.shape[0], cfg.model.features_dim,
                         cfg.model.hidden_dim, cfg.model.fusion_dim, cfg.model.min_final_size).to(device)
     signature = policy.signature()
     if cfg.parallel.compile:
         policy.compile()
+    sync = None
+    if ctx.distributed:
+        try:
+            sync = make_sync(policy, ctx, cfg.parallel)  # DDP broadcasts rank 0's weights
+        except ValueError as exc:
+            raise ConfigError(f"rank {ctx.rank}: {exc}") from None
     timer = PhaseTimer(cuda_sync=device.type == "cuda")
-    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=cfg.parallel.bf16)
-    num_updates, batch = cfg.num_updates, cfg.batch_size
-    print(f"{describe(policy)} | device {device} | env {cfg.env.name} x{cfg.env.num_envs} | "
-          f"{num_updates} updates x {batch} samples (minibatch {cfg.ppo.minibatch_size}, {cfg.ppo.update_epochs} epochs)",
-          flush=True)
+    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=cfg.parallel.bf16, sync=sync,
+                         ctx=ctx if ctx.distributed else None)
+    batch = cfg.batch_size * ctx.world_size  # samples per update, all ranks together
+    num_updates = max(1, cfg.ppo.total_timesteps // batch)
+    ranks = f" | {ctx.world_size} ranks ({ctx.backend}, sync {cfg.parallel.sync})" if ctx.distributed else ""
+    say(f"{describe(policy)} | device {device} | env {cfg.env.name} x{cfg.env.num_envs}{ranks} | "
+        f"{num_updates} updates x {batch} samples (minibatch {cfg.ppo.minibatch_size}, {cfg.ppo.update_epochs} epochs)",
+        flush=True)
 
     start_update, global_step, best_ds = 0, 0, float("-inf")
     if cfg.resume:
         ck = ckpt_lib.load_checkpoint(run_dir / "last.pt", signature, map_location=device)
+        check_resume_world(int(ck["extra"].get("world_size", 1)), ctx.world_size, str(run_dir / "last.pt"))
         ckpt_lib.restore(ck, policy, trainer.optimizer)
-        env.load_state_dict(ck["env"])
+        if ctx.distributed:  # this rank's own env and RNG state; the sync method's shared state
+            own = ck["extra"]["ranks"][ctx.rank]
+            env.load_state_dict(own["env"])
+            ckpt_lib.restore_rng(own["rng"])
+            assert sync is not None
+            sync.load_state_dict(ck["extra"].get("sync", {}))
+        else:
+            env.load_state_dict(ck["env"])
         start_update, global_step = ck["update"], ck["global_step"]
         best_ds = ck["extra"].get("best_driving_score", best_ds)
-        print(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
+        say(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
         trainer.reset(seed=None)
     else:
         trainer.reset(seed=cfg.seed)
 
-    tb = TBLogger(run_dir / "tb", cfg.logging.tensorboard, purge_step=global_step + 1 if cfg.resume else None)
+    tb = TBLogger(run_dir / "tb", cfg.logging.tensorboard and ctx.is_main,
+                  purge_step=global_step + 1 if cfg.resume else None)
     stop = StopRequest()
     stop.install()
-    bar = ProgressBar(cfg.ppo.total_timesteps, cfg.logging.progress_bar)
+    # with several ranks, a stop is agreed on at update boundaries (all ranks stop at the same update)
+    should_stop = (lambda: False) if ctx.distributed else stop
+    bar = ProgressBar(cfg.ppo.total_timesteps, cfg.logging.progress_bar and ctx.is_main)
+    rank_states: list[dict[str, Any]] = []  # every rank's env and RNG state, gathered before checkpoints
     video = VideoRecorder(cfg.logging.video_max_frames)
     eval_seed = cfg.seed + 1_000_003
 
@@ -268,12 +307,18 @@ def train(cfg: TrainConfig) -> int:
         return build_env(cfg, n, device, eval_seed, eval=True)
 
     def save(name: str, update: int) -> None:
+        if not ctx.is_main:
+            return
+        extra: dict[str, Any] = {"best_driving_score": best_ds}
+        if ctx.distributed:
+            assert sync is not None
+            extra.update(world_size=ctx.world_size, ranks=rank_states, sync=sync.state_dict())
         payload = ckpt_lib.make_checkpoint(policy, trainer.optimizer, update, global_step, signature, cfg.to_dict(),
-                                           env.state_dict(), {"best_driving_score": best_ds})
+                                           env.state_dict(), extra)
         ckpt_lib.atomic_save(payload, run_dir / name)
 
     def run_eval(name: str, update: int) -> dict[str, Any] | None:
-        if cfg.logging.eval_episodes == 0:
+        if cfg.logging.eval_episodes == 0 or not ctx.is_main:
             return None
         policy.eval()
         result = evaluate(make_eval_env, lambda _env: policy.deterministic_action, cfg.logging.eval_episodes,
@@ -304,23 +349,30 @@ def train(cfg: TrainConfig) -> int:
             bar.update(done_samples, (steps_this_run + step_count * cfg.env.num_envs) / max(elapsed, 1e-9),
                        f"update {update}/{num_updates}")
 
-        if not trainer.collect(should_stop=stop, on_step=on_step):
+        if not trainer.collect(should_stop=should_stop, on_step=on_step):
             update -= 1  # this rollout is discarded; last.pt holds the last completed update
             status = f"stopped by {stop.signal_name}"
             break
-        metrics = trainer.update()
+        with ctx.guard(f"update {update}"):
+            metrics = trainer.update()
         global_step += batch
         steps_this_run += batch
         iter_time = time.perf_counter() - t0
+        sync_stats = sync.pop_stats() if sync is not None else {}
+        timer.totals["sync"] += sync_stats.get("sync/seconds", 0.0)  # part of `update`, shown separately
         times = timer.pop()
 
         stats: dict[str, float] = dict(metrics)
         stats.update(trainer.episodes.summary())
         trainer.episodes.clear()
         stats.update({f"time/{k}": v for k, v in times.items()})
+        stats.update(sync_stats)
+        stats = ctx.reduce_metrics(stats)  # means over ranks (episode means weighted by episode counts)
         stats["charts/learning_rate"] = lr
         stats["charts/SPS"] = batch / iter_time
         stats["charts/update"] = update
+        if ctx.distributed and ctx.any(stop.requested):
+            stop.requested, stop.signal_name = True, stop.signal_name or "a signal to another rank"
 
         if (cfg.logging.eval_every and update % cfg.logging.eval_every == 0) and update != num_updates:
             t_eval = time.perf_counter()
@@ -330,6 +382,12 @@ def train(cfg: TrainConfig) -> int:
                 best_ds = result["driving_score"]
                 save("best.pt", update)
         t_ck = time.perf_counter()
+        if ctx.distributed:  # same decision on every rank: gather env/RNG states when any file may be written
+            if (update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates
+                    or (cfg.logging.checkpoint_every and update % cfg.logging.checkpoint_every == 0)
+                    or (cfg.logging.eval_every and update % cfg.logging.eval_every == 0)):
+                rank_states = ctx.gather_objects({"env": env.state_dict(), "rng": ckpt_lib.capture_rng()},
+                                                 "checkpoint state")
         if update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates:
             save("last.pt", update)
         if cfg.logging.checkpoint_every and update % cfg.logging.checkpoint_every == 0:
@@ -340,13 +398,13 @@ def train(cfg: TrainConfig) -> int:
         if frames is not None:
             where = tb.video("video/bev_env0", frames, global_step, 10, run_dir / "videos" / f"update_{video.update:06d}.gif")
             stats["video/frames"] = float(len(frames))
-            print(f"video: {where}", flush=True)
+            say(f"video: {where}", flush=True)
 
         tb.scalars(stats, global_step)
         tb.flush()
         if update % cfg.logging.summary_every == 0 or update == num_updates:
             bar.clear()
-            print(summary_line(update, num_updates, global_step, stats["charts/SPS"], stats), flush=True)
+            say(summary_line(update, num_updates, global_step, stats["charts/SPS"], stats), flush=True)
         if stop.requested:
             status = f"stopped by {stop.signal_name}"
             break
@@ -354,10 +412,10 @@ def train(cfg: TrainConfig) -> int:
     bar.clear()
     if status != "finished":
         save("last.pt", update)
-        print(f"{status}: saved {run_dir / 'last.pt'} (update {update}, {global_step:,} samples); "
+        say(f"{status}: saved {run_dir / 'last.pt'} (update {update}, {global_step:,} samples); "
               f"continue with: carl-train resume={run_dir}", flush=True)
-    else:
-        # -- final evaluation and baselines ---------------------------------------------------------------------
+    elif ctx.is_main:
+        # -- final evaluation and baselines (rank 0 only) --------------------------------------------------------
         final = run_eval("final", update)
         if final is not None:
             if final["driving_score"] > best_ds:
@@ -379,7 +437,7 @@ def train(cfg: TrainConfig) -> int:
             print(f"final evaluation on {cfg.logging.eval_episodes} held-out routes:\n{format_eval_table(results)}")
     tb.close()
     env.close()
-    print(f"run folder: {run_dir}  ({time.perf_counter() - t_begin:.0f}s)", flush=True)
+    say(f"run folder: {run_dir}  ({time.perf_counter() - t_begin:.0f}s)", flush=True)
     return 0
 
 
@@ -407,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     except ckpt_lib.CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except DistributedError as exc:
+        print(f"distributed error: {exc}; the last checkpoint (last.pt) is intact", file=sys.stderr)
+        sys.exit(3)
     sys.exit(code)
 
 

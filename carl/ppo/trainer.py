@@ -9,7 +9,7 @@ normalisation always uses the statistics of the whole minibatch, so the update d
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from carl.policy import CarlPolicy, beta_kl
 from carl.ppo.loss import normalize_advantages, ppo_loss
 from carl.ppo.storage import RolloutStorage
 from envs.api import BatchedEnv
+
+if TYPE_CHECKING:
+    from carl.parallel import DistContext, SyncMethod
 
 FrameHook = Callable[[dict[str, torch.Tensor], torch.Tensor], None]  # (obs, done) after each env step
 
@@ -34,8 +37,14 @@ class PPOTrainer:
         cfg: PPOConfig,
         timer: PhaseTimer | None = None,
         bf16: bool = False,
+        sync: SyncMethod | None = None,
+        ctx: DistContext | None = None,
     ) -> None:
+        """With ``sync``/``ctx`` (torchrun), each rank takes ``minibatch_size / world_size`` of every global
+        minibatch, advantages are normalised with global statistics and gradients go through ``sync``."""
         self.policy, self.env, self.cfg = policy, env, cfg
+        self.sync, self.world_size = sync, ctx.world_size if ctx is not None else 1
+        self.normalize_advantages = ctx.normalize_advantages if ctx is not None else normalize_advantages
         self.device = env.device
         self.timer = timer or PhaseTimer()
         self.autocast = (
@@ -110,7 +119,7 @@ class PPOTrainer:
     def _optimise(self, batch: dict) -> dict[str, float]:
         cfg = self.cfg
         n = batch["actions"].shape[0]
-        mb, k = cfg.minibatch_size, cfg.accumulation_steps
+        mb, k = cfg.minibatch_size // self.world_size, cfg.accumulation_steps  # this rank's share
         sums: dict[str, float] = {}
         steps = 0
         self.policy.train()
@@ -120,19 +129,25 @@ class PPOTrainer:
                 idx = perm[start : start + mb]
                 adv = batch["advantages"][idx]
                 if cfg.norm_adv:
-                    adv = normalize_advantages(adv)
+                    adv = self.normalize_advantages(adv)
                 self.optimizer.zero_grad(set_to_none=True)
                 stats = np.zeros(6)
-                for micro, micro_adv in zip(idx.chunk(k), adv.chunk(k)):
+                for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
                     obs = {key: v[micro] for key, v in batch["obs"].items()}
-                    with self.autocast():
-                        out = self.policy.act(obs, action=batch["actions"][micro])
-                    terms = ppo_loss(
-                        out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
-                        batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef, cfg.ent_coef,
-                    )
-                    (terms.loss * weight).backward()
+                    local_only = self.sync.no_sync() if self.sync is not None and i < k - 1 else nullcontext()
+                    with local_only:  # gradients are synchronised on the last micro-batch's backward
+                        with self.autocast():
+                            if self.sync is None:
+                                out = self.policy.act(obs, action=batch["actions"][micro])
+                            else:
+                                out = self.sync.act(obs, batch["actions"][micro])
+                        terms = ppo_loss(
+                            out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
+                            batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
+                            cfg.ent_coef,
+                        )
+                        (terms.loss * weight).backward()
                     with torch.no_grad():
                         kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
                     stats += weight * np.array([
@@ -141,10 +156,14 @@ class PPOTrainer:
                     ])
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
+                if self.sync is not None:
+                    self.sync.after_step()
                 for name, v in zip(
                     ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl"), stats
                 ):
                     sums[name] = sums.get(name, 0.0) + v
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
                 steps += 1
+        if self.sync is not None:
+            self.sync.flush()
         return {f"losses/{name}": float(v) / steps for name, v in sums.items()}

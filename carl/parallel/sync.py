@@ -1,0 +1,53 @@
+"""``make_sync``: the gradient-sync method named by ``parallel.sync``.
+
+| method | what travels per optimiser step | built on |
+|---|---|---|
+| ``allreduce`` | fp32 gradients | DDP (all-reduce hook with accounting) |
+| ``fp16`` / ``bf16`` | half-precision gradients (2x fewer bytes) | DDP + cast hook |
+| ``powersgd`` | rank-r factors of each matrix (torch's hook; error feedback, warm start) | DDP + ``powerSGD_hook`` |
+| ``lgreco`` | per-layer rank-r_l factors, ranks planned by L-GreCo's DP | DDP + :mod:`carl.parallel.lgreco` |
+| ``topk`` | top-k (value, index) pairs per layer, error feedback | DDP + :mod:`carl.parallel.topk` |
+| ``localsgd`` | parameters every ``local_steps`` steps, overlapped (CO2) | :mod:`carl.parallel.localsgd` |
+
+With one process :class:`~carl.parallel.base.SyncMethod` (no communication) is used whatever the method.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from carl.parallel.base import SyncMethod
+from carl.parallel.context import DistContext
+from carl.parallel.hooks import CastSync, DDPSync, PowerSGDSync
+from carl.parallel.layerwise import LayerwiseSync
+from carl.parallel.lgreco import LGreCoReducer
+from carl.parallel.localsgd import LocalSGDSync
+from carl.parallel.topk import TopKReducer
+
+SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
+
+
+def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: carl.config.ParallelConfig
+    """Wrap ``policy`` for ``par.sync``; raise ``ValueError`` with the reason where the backend cannot run it."""
+    method = par.sync
+    if method not in SYNC_METHODS:
+        raise ValueError(f"parallel.sync={method!r} is unknown; choose one of {', '.join(SYNC_METHODS)}")
+    if not ctx.distributed:
+        return SyncMethod(policy, ctx)
+    cap = par.bucket_cap_mb
+    if method == "allreduce":
+        return DDPSync(policy, ctx, cap)
+    if method == "fp16":
+        return CastSync(policy, ctx, torch.float16, cap)
+    if method == "bf16":
+        return CastSync(policy, ctx, torch.bfloat16, cap)
+    if method == "powersgd":
+        return PowerSGDSync(policy, ctx, par.powersgd_rank, par.powersgd_start_iter, cap)
+    if method == "lgreco":
+        return LayerwiseSync(policy, ctx, lambda stats: LGreCoReducer(
+            stats, par.powersgd_rank, par.lgreco_every, par.lgreco_acc_steps, par.lgreco_alpha,
+            start_step=max(2, par.powersgd_start_iter)), "lgreco", cap)
+    if method == "topk":
+        return LayerwiseSync(policy, ctx, lambda stats: TopKReducer(stats, par.topk_ratio), "topk", cap)
+    return LocalSGDSync(policy, ctx, par.local_steps, par.outer_lr, par.outer_momentum, par.staleness_penalty,
+                        par.outer_clip)
