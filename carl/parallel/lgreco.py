@@ -22,53 +22,67 @@ from carl.parallel.lowrank import LowRankReducer
 
 
 def plan_ranks(errors: Sequence[Sequence[float]], sizes: Sequence[Sequence[float]], budget: float,
-               bins: int = 10_000) -> list[int]:
+               bins: int = 10_000, fallback: Sequence[int] | None = None) -> list[int]:
     """Multiple-choice knapsack: one candidate per layer, minimal total size, total error within ``budget``.
 
     ``errors[l][j]`` and ``sizes[l][j]`` describe candidate ``j`` of layer ``l``. Errors are discretised into
-    ``bins`` buckets of width ``budget / bins`` (rounded up, so a plan's discretised error bounds its true
-    error); the capacity is ``bins + L`` buckets so that a plan meeting the budget exactly is never lost to
-    rounding (the chosen plan's true error is at most ``budget * (1 + L / bins)``). Time ``O(L K bins)``.
+    ``bins`` buckets of width ``budget / bins``, rounded up, so every plan the DP accepts truly meets the budget
+    (exactly optimal when errors lie on the grid, otherwise optimal up to one bucket per layer). Rounding can
+    reject a plan that meets the budget exactly, e.g. the uniform rank that defines it: ``fallback`` (candidate
+    indices) is returned when it is smaller than the DP's plan or the DP finds none. Time ``O(L K bins)``.
     Returns the chosen candidate index per layer.
     """
     n_layers = len(errors)
     if n_layers == 0:
         return []
-    if budget <= 0:  # only exact candidates fit: take the smallest zero-error candidate of every layer
+
+    def total_size(picks: Sequence[int]) -> float:
+        return float(sum(sizes[layer][j] for layer, j in enumerate(picks)))
+
+    if budget <= 0:  # only zero-error candidates fit
         picks = []
         for e, s in zip(errors, sizes):
             ok = [j for j in range(len(e)) if e[j] <= 0]
             if not ok:
+                if fallback is not None:
+                    return list(fallback)
                 raise ValueError("no plan meets a zero error budget")
             picks.append(min(ok, key=lambda j: s[j]))
         return picks
     width = budget / bins
-    cap = bins + n_layers
+
+    def cost(e: float) -> int:
+        return int(math.ceil(e / width - 1e-9))
+
     inf = float("inf")
-    dp = np.full(cap + 1, inf)
+    dp = np.full(bins + 1, inf)  # dp[b]: least total size of the layers so far with discretised error exactly b
     dp[0] = 0.0
-    choice = np.zeros((n_layers, cap + 1), dtype=np.int64)
+    choice = np.zeros((n_layers, bins + 1), dtype=np.int64)
     for layer, (errs, szs) in enumerate(zip(errors, sizes)):
-        new = np.full(cap + 1, inf)
-        pick = np.zeros(cap + 1, dtype=np.int64)
+        new = np.full(bins + 1, inf)
+        pick = np.zeros(bins + 1, dtype=np.int64)
         for j, (e, s) in enumerate(zip(errs, szs)):
-            c = int(math.ceil(e / width - 1e-9))
-            if c > cap:
+            c = cost(e)
+            if c > bins:
                 continue
-            cand = np.full(cap + 1, inf)
-            cand[c:] = dp[: cap + 1 - c] + s
+            cand = np.full(bins + 1, inf)
+            cand[c:] = dp[: bins + 1 - c] + s
             better = cand < new
             new[better] = cand[better]
             pick[better] = j
         dp, choice[layer] = new, pick
     end = int(np.argmin(dp))
     if not math.isfinite(dp[end]):
+        if fallback is not None:
+            return list(fallback)
         raise ValueError("no plan meets the error budget")
     picks = [0] * n_layers
     for layer in range(n_layers - 1, -1, -1):
         j = int(choice[layer, end])
         picks[layer] = j
-        end -= int(math.ceil(errors[layer][j] / width - 1e-9))
+        end -= cost(errors[layer][j])
+    if fallback is not None and total_size(fallback) < total_size(picks):
+        return list(fallback)
     return picks
 
 
@@ -129,7 +143,8 @@ class LGreCoReducer(LowRankReducer):
             errs.append(all_errs[:-1])
             uniform.append(all_errs[-1])
             sizes.append([r * (n + m) for r in rs])
-        picks = plan_ranks(errs, sizes, self.alpha * sum(uniform), self.bins)
+        ref = [rs.index(min(self.rank, *matrices[nm].shape)) for nm, rs in zip(names, cands)]
+        picks = plan_ranks(errs, sizes, self.alpha * sum(uniform), self.bins, fallback=ref if self.alpha >= 1 else None)
         plan = {name: rs[j] for name, rs, j in zip(names, cands, picks)}
         self.last_plan_bytes = (
             sum(plan[nm] * sum(matrices[nm].shape) for nm in names),

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from carl.parallel.base import SyncMethod
 from carl.parallel.context import DistContext
@@ -81,8 +81,11 @@ class LocalSGDSync(SyncMethod):
         self.outer_steps += 1
 
     def _reset_to_anchor(self) -> None:
-        with torch.no_grad():
-            vector_to_parameters(self.anchor, self.params)
+        offset = 0
+        with torch.no_grad():  # copy (vector_to_parameters would alias the parameters to the anchor)
+            for p in self.params:
+                p.copy_(self.anchor[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def outer_step(self) -> None:
         delta = parameters_to_vector(self.params).detach() - self.anchor
