@@ -11,6 +11,7 @@ it is the result of an all-reduce, hence also identical.
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -20,7 +21,16 @@ from carl.parallel.layerwise import LayerwiseReducer, NamedGrads
 
 
 def as_matrix(grad: torch.Tensor) -> torch.Tensor:
-    return grad.view(grad.shape[0], -1)
+    """The most square ``[prod(shape[:k]), prod(shape[k:])]`` view (fewest values at a given rank).
+
+    Conv weights ``[out, in, kh, kw]`` become ``[out, in kh kw]``; CaRL's LayerNorm affine parameters
+    ``[C, H, W]`` become ``[C H, W]`` (torch's PowerSGD hook uses ``[C, H W]``, which it leaves uncompressed).
+    """
+    if grad.dim() <= 2:
+        return grad.view(grad.shape[0], -1)
+    shape = list(grad.shape)
+    best = min(range(1, len(shape)), key=lambda k: math.prod(shape[:k]) + math.prod(shape[k:]))
+    return grad.view(math.prod(shape[:best]), -1)
 
 
 def worth_compressing(n: int, m: int, rank: int, min_rate: float = 2.0) -> bool:

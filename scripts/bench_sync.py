@@ -1,0 +1,202 @@
+"""Gradient-sync benchmark: bytes and seconds per update for every ``parallel.sync`` method on CaRL's model.
+
+Two gloo ranks on this machine train CaRL's network (10x256x256 BEV, ~2M parameters) on random data; after a
+warm-up (PowerSGD starts at step 2, L-GreCo re-plans at steps 6 and 10) each method is timed over ``--steps`` updates.
+One JSON line per (method, bandwidth)::
+
+    {"method": "powersgd", "bandwidth_mbit": 100, "bytes_per_update": 98304, "compression_ratio": 81.0,
+     "update_s": 0.41, "sync_s": 0.05, "params": 1979916, "world_size": 2}
+
+``bytes_per_update`` is what one rank hands to its collectives per optimiser step (the all-reduce payload);
+``update_s`` is the wall time of one optimiser step (forward, backward with sync, Adam); ``sync_s`` the part
+spent in communication hooks.
+
+Network emulation (root, iproute2, tbf in the kernel): two network namespaces joined by a veth pair whose egress
+is shaped with ``tc qdisc ... tbf rate <R>mbit burst 32kbit latency 400ms`` (``docs/distributed.md``); each rank
+runs in its own namespace with ``GLOO_SOCKET_IFNAME`` set to its veth end. Only these private namespaces and
+addresses (10.231.0.1/2) are used. Where namespaces cannot be made the shaped runs are skipped with a message;
+``--no-netns`` runs once on plain loopback without shaping (``bandwidth_mbit`` null).
+
+    python scripts/bench_sync.py --no-netns
+    sudo python scripts/bench_sync.py --bandwidth 100 1000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+METHODS = ["allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd"]
+NS = ("carl_bs_a", "carl_bs_b")
+VETH = ("carl_va", "carl_vb")
+ADDR = ("10.231.0.1", "10.231.0.2")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# worker: one rank
+# ------------------------------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from carl.parallel import init_distributed, make_sync
+    from carl.policy import CarlPolicy
+    from envs.api import TensorSpec
+
+    torch.set_num_threads(args.threads)
+    ctx, _ = init_distributed("cpu", "gloo", timeout_s=600)
+    spec = {"bev": TensorSpec((10, args.bev, args.bev), torch.uint8, 0, 255),
+            "measurements": TensorSpec((8,), torch.float32),
+            "value_measurements": TensorSpec((10,), torch.float32)}
+    gen = torch.Generator().manual_seed(ctx.rank)
+    n = args.batch
+    obs = {"bev": torch.randint(0, 255, (n, 10, args.bev, args.bev), generator=gen).to(torch.uint8),
+           "measurements": torch.randn(n, 8, generator=gen), "value_measurements": torch.randn(n, 10, generator=gen)}
+    action = torch.rand(n, 2, generator=gen) * 1.8 - 0.9
+    warmup = 8  # PowerSGD starts at step 2, L-GreCo re-plans at step 6; localsgd rounds end at 8, 16, ...
+    for method in args.methods:
+        torch.manual_seed(0)
+        policy = CarlPolicy(spec, 2)
+        par = SimpleNamespace(sync=method, bucket_cap_mb=0.0, powersgd_rank=args.rank, powersgd_start_iter=2,
+                              lgreco_every=4, lgreco_acc_steps=2, lgreco_alpha=1.0, topk_ratio=args.topk_ratio,
+                              local_steps=args.local_steps, outer_lr=1.0, outer_momentum=0.0,
+                              staleness_penalty=1.0, outer_clip=0.0)
+        sync = make_sync(policy, ctx, par)
+        opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+        times = []
+        steps = max(args.steps, args.local_steps) if method == "localsgd" else args.steps  # whole outer rounds
+        for step in range(warmup + steps):
+            if step == warmup:
+                sync.pop_stats()
+                ctx.barrier()
+            t0 = time.perf_counter()
+            out = sync.act(obs, action)
+            loss = -out.log_prob.mean() + out.value.pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sync.after_step()
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+        stats = sync.pop_stats()
+        sync.flush()
+        row = {"method": method, "bandwidth_mbit": args.bandwidth_mbit,
+               "bytes_per_update": int(round(stats.get("sync/bytes_per_step", 0.0))),
+               "compression_ratio": round(stats.get("sync/compression_ratio", 0.0), 2),
+               "update_s": round(sum(times) / len(times), 4),
+               "sync_s": round(stats.get("sync/seconds", 0.0) / max(1, len(times)), 4),
+               "params": policy.num_params(), "world_size": ctx.world_size, "batch_per_rank": n}
+        if ctx.is_main:
+            print(json.dumps(row), flush=True)
+    ctx.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# launcher
+# ------------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def make_namespaces(rate_mbit: int) -> None:
+    """Two namespaces joined by a veth pair, each end shaped to ``rate_mbit`` with tbf."""
+    remove_namespaces()
+    for ns in NS:
+        sh(["ip", "netns", "add", ns])
+    sh(["ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1]])
+    for ns, veth, addr in zip(NS, VETH, ADDR):
+        sh(["ip", "link", "set", veth, "netns", ns])
+        sh(["ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", veth])
+        sh(["ip", "netns", "exec", ns, "ip", "link", "set", veth, "up"])
+        sh(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
+        sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{rate_mbit}mbit",
+            "burst", "32kbit", "latency", "400ms"])
+
+
+def remove_namespaces() -> None:
+    for ns in NS:  # deleting a namespace also removes its veth end (and so the pair)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def run_ranks(args: argparse.Namespace, bandwidth: int | None, timeout: float) -> int:
+    port = free_port() if bandwidth is None else 29517
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--methods", *args.methods,
+               "--steps", str(args.steps), "--batch", str(args.batch), "--bev", str(args.bev),
+               "--rank", str(args.rank), "--topk-ratio", str(args.topk_ratio), "--local-steps",
+               str(args.local_steps), "--threads", str(args.threads),
+               "--bandwidth-mbit", "none" if bandwidth is None else str(bandwidth)]
+        if bandwidth is None:
+            env["MASTER_ADDR"] = "127.0.0.1"
+        else:
+            env.update(MASTER_ADDR=ADDR[0], GLOO_SOCKET_IFNAME=VETH[rank])
+            cmd = ["ip", "netns", "exec", NS[rank], "env", *[f"{k}={env[k]}" for k in
+                   ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+                    "PYTHONPATH", "GLOO_SOCKET_IFNAME")], *cmd]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
+    try:
+        return max(p.wait(timeout=timeout) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--bandwidth", nargs="+", type=int, default=[100, 1000], help="shaped rates in Mbit/s")
+    ap.add_argument("--no-netns", action="store_true", help="plain loopback, no shaping")
+    ap.add_argument("--steps", type=int, default=4, help="timed updates per method (after 8 warm-up updates)")
+    ap.add_argument("--batch", type=int, default=2, help="samples per rank per update")
+    ap.add_argument("--bev", type=int, default=256, help="BEV size (CaRL: 256)")
+    ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank / L-GreCo reference rank")
+    ap.add_argument("--topk-ratio", type=float, default=0.01)
+    ap.add_argument("--local-steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per (bandwidth) run")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth-mbit", default="none", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.bandwidth_mbit = None if args.bandwidth_mbit == "none" else int(args.bandwidth_mbit)
+        worker(args)
+        return
+    if args.no_netns:
+        sys.exit(run_ranks(args, None, args.timeout))
+    code = 0
+    for rate in args.bandwidth:
+        try:
+            make_namespaces(rate)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            remove_namespaces()
+            print(f"bench_sync: skipping the shaped runs: cannot create network namespaces ({detail.strip()}); "
+                  "needs root, iproute2 and tbf. Use --no-netns for plain loopback.", file=sys.stderr)
+            sys.exit(0)
+        try:
+            code = max(code, run_ranks(args, rate, args.timeout))
+        finally:
+            remove_namespaces()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
