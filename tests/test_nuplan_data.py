@@ -6,7 +6,7 @@ import pytest
 
 from envs.nuplan import cache, gpkg, reader
 from envs.nuplan.nuplan_map import MapVersionError, load_location
-from envs.nuplan.synthetic import EPSG, HZ, LOCATION, MAP_VERSION, ORIGIN, ego_profile, make_synthetic_dataset
+from envs.nuplan.synthetic import EPSG, LOCATION, MAP_VERSION, ORIGIN, ego_profile, make_synthetic_dataset
 
 pytestmark = pytest.mark.nuplan
 

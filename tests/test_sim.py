@@ -44,7 +44,7 @@ def test_observation_spec_and_shapes():
 def test_same_seed_same_rollout():
     def rollout(seed):
         env = small_env(6, seed=seed)
-        obs = env.reset()
+        env.reset()
         gen = torch.Generator().manual_seed(1)
         rewards, bevs = [], []
         for _ in range(40):

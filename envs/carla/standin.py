@@ -264,7 +264,7 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
     def apply_walker_control(actor_id: int, control: list) -> list:
         a = w.actors.get(actor_id)
         if a is not None and a.is_walker:
-            (dx, dy, dz), speed = control[0], float(control[1])
+            (dx, dy, _), speed = control[0], float(control[1])
             norm = math.hypot(dx, dy) or 1.0
             a.walker_dir, a.speed = (dx / norm, dy / norm, 0.0), speed
         return VOID

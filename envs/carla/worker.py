@@ -35,7 +35,6 @@ from torch import Tensor
 from envs.api import StepResult
 from envs.carla.mapping import Reading, build_carla_world, fill_pedestrians, fill_vehicles, graph_from_xodr, route_towns
 from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
-from envs.maps.lanegraph import MapError
 from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
 from envs.sim.config import ConfigError, SimConfig, from_dict
 from envs.sim.env import SimEnv, SimState
@@ -244,7 +243,7 @@ class CarlaWorker(SimEnv):
         return carla.Transform(carla.Location(x=x, y=y, z=z), carla.Rotation(yaw=float(world_yaw_to_carla(yaw))))
 
     def _start_episode(self, s: SimState) -> None:
-        carla, c, g = self.carla, self.ccfg, self.gen
+        c, g = self.ccfg, self.gen
         self._destroy_actors()
         t = self._tracked
         lib = self.cworld.get_blueprint_library()

@@ -29,7 +29,7 @@ import numpy as np
 from envs.maps.lanegraph import LaneGraph
 from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import load_location
-from envs.nuplan.reader import AGENT_TYPES, ScenarioData, ScenarioSpec, load_scenario, wrap
+from envs.nuplan.reader import AGENT_TYPES, ScenarioData, ScenarioSpec, load_scenario
 from envs.routes import Route
 
 CACHE_VERSION = 1

@@ -33,7 +33,7 @@ from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import ConfigError, SimConfig, from_dict
 from envs.sim.env import HISTORY, SimEnv, SimState
 from envs.sim.geometry import wrap_angle
-from envs.sim.world import World, build_world, lane_lookup
+from envs.sim.world import build_world, lane_lookup
 from envs.reward import RewardState
 from envs.sim.infractions import INFRACTIONS
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from envs.maps.lanegraph import CONTROL_LIGHT, LaneGraph, MapError
+from envs.maps.lanegraph import LaneGraph, MapError
 from envs.maps.raster import MapRaster, load_or_compile_raster
 from envs.routes import Route
 from envs.sim.config import SimConfig
