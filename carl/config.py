@@ -81,6 +81,10 @@ class ParallelConfig:
     bucket_cap_mb: float = 0.0  # DDP bucket size; 0 = DDP's default (powersgd on gloo: one bucket)
     powersgd_rank: int = 4  # powersgd rank; lgreco's uniform reference rank r0
     powersgd_start_iter: int = 2  # plain all-reduce before this step (>= 2: DDP rebuilds buckets after step 1)
+    # powersgd implementation: "layerwise" (per-parameter matrices, near-square views of conv/LayerNorm tensors) or
+    # "torch" (torch's powerSGD_hook on flat buckets: views tensors as [shape[0], -1], so CaRL's LayerNorm [8,126,126]
+    # weights stay uncompressed and the whole model only reaches ~6x)
+    powersgd_impl: str = "layerwise"
     lgreco_every: int = 100  # re-plan the per-layer ranks every K optimiser steps
     lgreco_acc_steps: int = 10  # steps averaged before each re-plan
     lgreco_alpha: float = 1.0  # error budget = alpha * error of the uniform rank
@@ -256,6 +260,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(par.name in ("single", "ddp"), f"parallel.name={par.name!r}: use parallel=single or parallel=ddp")
     syncs = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
     _require(par.sync in syncs, f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(syncs)}")
+    _require(par.powersgd_impl in ("layerwise", "torch"),
+             f"parallel.powersgd_impl={par.powersgd_impl!r} must be layerwise or torch")
     _require(par.backend in ("auto", "gloo", "nccl"), f"parallel.backend={par.backend!r} must be auto, gloo or nccl")
     _require(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0, e.g. parallel.timeout_s=600")
     _require(par.bucket_cap_mb >= 0, f"parallel.bucket_cap_mb={par.bucket_cap_mb} must be >= 0 (0 = default)")

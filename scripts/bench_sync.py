@@ -65,6 +65,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         policy = CarlPolicy(spec, 2)
         par = SimpleNamespace(sync=method, bucket_cap_mb=0.0, powersgd_rank=args.rank, powersgd_start_iter=2,
+                              powersgd_impl=args.powersgd_impl,
                               lgreco_every=4, lgreco_acc_steps=2, lgreco_alpha=1.0, topk_ratio=args.topk_ratio,
                               local_steps=args.local_steps, outer_lr=1.0, outer_momentum=0.0,
                               staleness_penalty=1.0, outer_clip=0.0)
@@ -139,7 +140,7 @@ def run_ranks(args: argparse.Namespace, bandwidth: int | None, timeout: float) -
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--methods", *args.methods,
                "--steps", str(args.steps), "--batch", str(args.batch), "--bev", str(args.bev),
-               "--rank", str(args.rank), "--topk-ratio", str(args.topk_ratio), "--local-steps",
+               "--rank", str(args.rank), "--powersgd-impl", args.powersgd_impl, "--topk-ratio", str(args.topk_ratio), "--local-steps",
                str(args.local_steps), "--threads", str(args.threads),
                "--bandwidth-mbit", "none" if bandwidth is None else str(bandwidth)]
         if bandwidth is None:
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="samples per rank per update")
     ap.add_argument("--bev", type=int, default=256, help="BEV size (CaRL: 256)")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD rank / L-GreCo reference rank")
+    ap.add_argument("--powersgd-impl", default="layerwise", choices=("layerwise", "torch"),
+                    help="powersgd: per-layer near-square matrices (default) or torch's powerSGD_hook")
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--local-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")

@@ -95,7 +95,8 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _par(**kw) -> SimpleNamespace:
-    base = dict(sync="allreduce", bucket_cap_mb=0.0, powersgd_rank=2, powersgd_start_iter=2, lgreco_every=3,
+    base = dict(sync="allreduce", bucket_cap_mb=0.0, powersgd_rank=2, powersgd_start_iter=2, powersgd_impl="layerwise",
+                lgreco_every=3,
                 lgreco_acc_steps=2, lgreco_alpha=1.0, topk_ratio=0.05, local_steps=2, outer_lr=1.0,
                 outer_momentum=0.5, staleness_penalty=2.0, outer_clip=10.0)
     base.update(kw)
@@ -138,7 +139,7 @@ def worker_methods(out_dir: str) -> None:
         if method == "lgreco":
             result[method]["replans"] = sync.reducer.replans
     try:  # refusal: torch's PowerSGD hook with several buckets on gloo
-        make_sync(_tiny_policy()[0], ctx, _par(sync="powersgd", bucket_cap_mb=0.5))
+        make_sync(_tiny_policy()[0], ctx, _par(sync="powersgd", powersgd_impl="torch", bucket_cap_mb=0.5))
         result["refusal"] = ""
     except ValueError as exc:
         result["refusal"] = str(exc)

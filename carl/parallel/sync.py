@@ -4,7 +4,7 @@
 |---|---|---|
 | ``allreduce`` | fp32 gradients | DDP (all-reduce hook with accounting) |
 | ``fp16`` / ``bf16`` | half-precision gradients (2x fewer bytes) | DDP + cast hook |
-| ``powersgd`` | rank-r factors of each matrix (torch's hook; error feedback, warm start) | DDP + ``powerSGD_hook`` |
+| ``powersgd`` | rank-r factors of each layer's matrix (error feedback, warm start) | DDP + :mod:`carl.parallel.lowrank` (``powersgd_impl=torch``: ``powerSGD_hook``) |
 | ``lgreco`` | per-layer rank-r_l factors, ranks planned by L-GreCo's DP | DDP + :mod:`carl.parallel.lgreco` |
 | ``topk`` | top-k (value, index) pairs per layer, error feedback | DDP + :mod:`carl.parallel.topk` |
 | ``localsgd`` | parameters every ``local_steps`` steps, overlapped (CO2) | :mod:`carl.parallel.localsgd` |
@@ -22,6 +22,7 @@ from carl.parallel.hooks import CastSync, DDPSync, PowerSGDSync
 from carl.parallel.layerwise import LayerwiseSync
 from carl.parallel.lgreco import LGreCoReducer
 from carl.parallel.localsgd import LocalSGDSync
+from carl.parallel.lowrank import LowRankReducer
 from carl.parallel.topk import TopKReducer
 
 SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
@@ -42,7 +43,10 @@ def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: c
     if method == "bf16":
         return CastSync(policy, ctx, torch.bfloat16, cap)
     if method == "powersgd":
-        return PowerSGDSync(policy, ctx, par.powersgd_rank, par.powersgd_start_iter, cap)
+        if par.powersgd_impl == "torch":
+            return PowerSGDSync(policy, ctx, par.powersgd_rank, par.powersgd_start_iter, cap)
+        return LayerwiseSync(policy, ctx, lambda stats: LowRankReducer(
+            stats, par.powersgd_rank, start_step=max(2, par.powersgd_start_iter)), "powersgd", cap)
     if method == "lgreco":
         return LayerwiseSync(policy, ctx, lambda stats: LGreCoReducer(
             stats, par.powersgd_rank, par.lgreco_every, par.lgreco_acc_steps, par.lgreco_alpha,
