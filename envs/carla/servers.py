@@ -191,6 +191,11 @@ class CarlaServer:
     def log_path(self) -> Path:
         return self.log_dir / f"carla_{self.ports.rpc}.log"
 
+    @property
+    def pid_path(self) -> Path:
+        """``log_dir/carla_<rpc port>.pid``: the running server's process (group) id, for operators and tests."""
+        return self.log_dir / f"carla_{self.ports.rpc}.pid"
+
     def start(self) -> None:
         """Start the process as the leader of its own process group; output goes to :attr:`log_path`."""
         if self.alive():
@@ -202,6 +207,7 @@ class CarlaServer:
             out.flush()
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, **self.env})
+        self.pid_path.write_text(f"{self.proc.pid}\n")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

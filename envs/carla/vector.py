@@ -204,6 +204,9 @@ class CarlaVectorEnv(BatchedEnv):
         merged["done"] = merged["done"].bool() | lost_rows
         merged["carla/crash"] = torch.maximum(merged["carla/crash"], lost_rows.float())
         merged["carla/restarts"] = merged["carla/restarts"] + torch.as_tensor(self.row_restarts, device=self.device)
+        if "episode/carla_restarts" in merged:
+            merged["episode/carla_crash"] = merged["carla/crash"].clone()
+            merged["episode/carla_restarts"] = merged["carla/restarts"].clone()
         merged["carla/process_restarts"] = torch.full((self.num_envs,), float(self.process_restarts),
                                                       device=self.device)
         return StepResult(self._stack(obs), torch.as_tensor(np.concatenate(rew)).to(self.device),

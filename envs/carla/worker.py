@@ -392,6 +392,9 @@ class CarlaWorker(SimEnv):
             res.obs = self._observe(self.state)
         res.info["carla/crash"] = torch.tensor([float(crashed)], device=self.device)
         res.info["carla/restarts"] = torch.tensor([float(self.restarts)], device=self.device)
+        # per finished episode (the trainer logs every ``episode/*`` key): crashed episodes and restarts so far
+        res.info["episode/carla_crash"] = res.info["carla/crash"].clone()
+        res.info["episode/carla_restarts"] = res.info["carla/restarts"].clone()
         return res
 
     def close(self) -> None:
