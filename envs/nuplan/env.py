@@ -35,7 +35,9 @@ from envs.sim.env import HISTORY, SimEnv, SimState
 from envs.sim.geometry import wrap_angle
 from envs.sim.world import build_world, lane_lookup
 from envs.reward import RewardState
-from envs.sim.infractions import INFRACTIONS
+from envs.sim.geometry import boxes_overlap
+from envs.sim.infractions import HARD, INFRACTIONS
+from envs.metrics import nuplan as M
 
 # Chrysler Pacifica (nuPlan ego) and CaRL's nuPlan action mapping
 WHEELBASE = 3.089
@@ -50,6 +52,11 @@ LIGHT_REL = (0.5, 1.5, 2.5, 0.5)  # green, yellow, red, unknown (shown as green)
 VEHICLE_TYPES, PEDESTRIAN_TYPES = (0, 2), (1,)
 IDM_TARGET_SPEED = 10.0  # m/s, nuPlan IDMAgents
 GRID_MARGIN = 100.0  # m between scenario map patches
+NO_SPEED_LIMIT = 1e3  # m/s: off the lanes there is no speed limit to break
+OFF_LANE_M = 10.0  # corner distance to the drivable area when the corner is on no lane at all
+TTC_NEAREST_NUPLAN = 8  # actors considered per step by the nuPlan TTC check (nearest valid ones)
+TRACE_KEYS = ("speed", "yaw", "accel", "limit", "lane_prog", "outside", "multi_lane", "junction", "ttc")
+NUPLAN_COMPONENTS = M.MULTIPLIERS + tuple(M.WEIGHTS)
 
 
 @dataclass
@@ -149,6 +156,43 @@ def _pad_stack(arrays: list[np.ndarray], n: int, t: int) -> np.ndarray:
     return out
 
 
+def box_corners_t(xy: Tensor, yaw: Tensor, half: Tensor) -> Tensor:
+    """Corners [..., 4, 2] (front-left, front-right, rear-right, rear-left) of oriented boxes (torch)."""
+    f = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+    l = torch.stack((-torch.sin(yaw), torch.cos(yaw)), -1)
+    f, l = f * half[..., :1], l * half[..., 1:2]
+    return torch.stack((xy + f + l, xy + f - l, xy - f - l, xy - f + l), -2)
+
+
+def nuplan_ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: Tensor, junction: Tensor,
+                         xy: Tensor, yaw: Tensor, speed: Tensor, half: Tensor, valid: Tensor) -> Tensor:
+    """nuPlan's time-to-collision check for one step, batched [B]: True when the TTC is at most 0.95 s.
+
+    Ego and actors move at constant speed and heading in 0.1 s steps (only steps up to the 0.95 s bound matter);
+    relevant actors are ahead (within 30° of the ego heading) or, in an intersection, not behind (150°); actors
+    already overlapping the ego are excluded; a stopped ego (<= 0.005 m/s) has no TTC."""
+    rel = xy - ego_xy.unsqueeze(1)
+    ang = wrap_angle(torch.atan2(rel[..., 1], rel[..., 0]) - ego_yaw.unsqueeze(1)).abs()
+    relevant = valid & ((ang < M.TTC_AHEAD_ANGLE) | (junction.unsqueeze(1) & (ang < M.REAR_ANGLE)))
+    now = boxes_overlap(ego_xy.unsqueeze(1), ego_yaw.unsqueeze(1), ego_half.unsqueeze(1), xy, yaw, half)
+    relevant = relevant & ~now
+    if xy.shape[1] > TTC_NEAREST_NUPLAN:
+        dist = torch.where(relevant, rel.norm(dim=-1), torch.full_like(speed, 1e9))
+        near = dist.topk(TTC_NEAREST_NUPLAN, dim=1, largest=False).indices
+        xy = xy.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
+        half = half.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
+        yaw, speed, relevant = yaw.gather(1, near), speed.gather(1, near), relevant.gather(1, near)
+    n = int(M.TTC_THRESHOLD / M.TTC_STEP + 1e-6)
+    tt = torch.arange(1, n + 1, device=ego_xy.device, dtype=ego_xy.dtype) * M.TTC_STEP  # [K]
+    ed = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1) * ego_speed.unsqueeze(-1)
+    od = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * speed.unsqueeze(-1)
+    ego_f = ego_xy[:, None, None] + ed[:, None, None] * tt[None, None, :, None]  # [B,1,K,2]
+    oth_f = xy[:, :, None] + od[:, :, None] * tt[None, None, :, None]  # [B,N,K,2]
+    hit = boxes_overlap(ego_f, ego_yaw[:, None, None], ego_half[:, None, None], oth_f, yaw[..., None],
+                        half[:, :, None])
+    return (hit.any(-1) & relevant).any(-1) & (ego_speed > M.TTC_STOPPED_SPEED)
+
+
 class NuplanEnv(SimEnv):
     """Closed-loop simulation of cached nuPlan scenarios (see the module docstring)."""
 
@@ -215,6 +259,16 @@ class NuplanEnv(SimEnv):
         self.light_rel = torch.tensor(LIGHT_REL, device=dev)
         self.scenario_tokens = [sc.token for sc in scenarios]
         self.scenario_types = [sc.scenario_type for sc in scenarios]
+        # expert progress per scenario: the logged rear-axle path length over the simulated horizon (T - 2 steps)
+        self.expert_progress = np.array([
+            float(np.linalg.norm(np.diff(sc.ego[: max(sc.num_frames - 1, 1), :2], axis=0), axis=-1).sum())
+            for sc in scenarios])
+        # per-step trace for nuPlan's metrics: a ring buffer [B, L] per signal, written at column (steps - 1) % L
+        self.trace_len = self.num_frames + 2
+        self.trace = {k: torch.zeros(num_envs, self.trace_len, device=dev,
+                                     dtype=torch.bool if k in ("multi_lane", "junction", "ttc") else torch.float32)
+                      for k in TRACE_KEYS}
+        self._rows = torch.arange(num_envs, device=dev)
 
     def _refresh_actors(self, s: SimState) -> None:
         """Log replay owns every agent: no re-spawning near the ego."""
@@ -349,7 +403,102 @@ class NuplanEnv(SimEnv):
     def _episode_info(self, s: NuplanState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         info = super()._episode_info(s, done, hard_t, truncated)
         info["episode/scenario"] = s.scenario.float()
+        self._record_trace(s)
+        info.update(self._nuplan_scores(s, done, hard_t))
         return info
+
+    # ------------------------------------------------------------------ nuPlan closed-loop score
+    def _record_trace(self, s: NuplanState) -> None:
+        """Write this step's metric inputs into the ring buffers (batched tensor ops, no host sync)."""
+        w, dt = self.world, self.cfg.dt
+        lane, _, lane_yaw, found = lane_lookup(w, s.ego_xy)
+        corners = box_corners_t(s.ego_xy, s.ego_yaw, self.ego_half)  # [B, 4, 2]
+        c_lane, c_lat, _, c_found = lane_lookup(w, corners)
+        c_out = torch.where(c_found, (c_lat.abs() - w.lane_width[c_lane] / 2).clamp(min=0.0),
+                            torch.full_like(c_lat, OFF_LANE_M))
+        junction = w.lane_junction[lane] & found
+        a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
+        values = {
+            "speed": s.ego_speed, "yaw": s.ego_yaw, "accel": s.ego_accel,
+            "limit": torch.where(found, w.lane_speed[lane], torch.full_like(s.ego_speed, NO_SPEED_LIMIT)),
+            # progress along the current lane's baseline this step (negative = against the lane direction)
+            "lane_prog": torch.where(found, s.ego_speed * dt * torch.cos(s.ego_yaw - lane_yaw),
+                                     torch.zeros_like(s.ego_speed)),
+            "outside": c_out.max(-1).values,
+            "multi_lane": (~c_found | (c_lane != lane.unsqueeze(-1))).any(-1),
+            "junction": junction,
+            "ttc": nuplan_ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, self.ego_half, junction, a_xy, a_yaw,
+                                        a_speed, a_half, a_valid),
+        }
+        col = (s.steps - 1).clamp(min=0) % self.trace_len
+        for k, v in values.items():
+            self.trace[k][self._rows, col] = v
+
+    def _at_fault_collisions(self, s: NuplanState, row: int, multi_lane: bool) -> dict[str, int]:
+        """nuPlan's at-fault collisions of the final step of ``row`` (the episode ends at the first collision):
+        counts per class {vru, vehicle, object}."""
+        counts = {"vru": 0, "vehicle": 0, "object": 0}
+        ego_xy, ego_yaw = s.ego_xy[row], s.ego_yaw[row]
+        ego_half, ego_speed = self.ego_half[row], float(s.ego_speed[row])
+        classes = (("vehicle", s.veh.xy, s.veh.yaw, s.veh.half, s.veh.speed, s.veh.valid, False),
+                   ("vru", s.ped.xy, s.ped.yaw, torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF), s.ped.speed,
+                    s.ped.valid, False),
+                   ("object", s.statics.xy, s.statics.yaw, s.statics.half, torch.zeros_like(s.statics.yaw),
+                    s.statics.valid, True))
+        for cls, xy, yaw, half, speed, valid, static in classes:
+            hit = boxes_overlap(ego_xy, ego_yaw, ego_half, xy[row], yaw[row], half[row]) & valid[row]
+            for j in torch.nonzero(hit).flatten().tolist():
+                kind = M.collision_type(ego_xy.cpu().numpy(), float(ego_yaw), ego_half.cpu().numpy(), ego_speed,
+                                        xy[row, j].cpu().numpy(), float(yaw[row, j]), half[row, j].cpu().numpy(),
+                                        float(speed[row, j]), static)
+                counts[cls] += int(M.is_at_fault(kind, multi_lane))
+        return counts
+
+    def _nuplan_scores(self, s: NuplanState, done: Tensor, hard_t: Tensor) -> dict[str, Tensor]:
+        """``episode/nuplan_score`` and ``episode/nuplan/<metric>`` of the finished rows (0 elsewhere)."""
+        out = {"episode/nuplan_score": torch.zeros(self.num_envs, device=self.device)}
+        for k in NUPLAN_COMPONENTS:
+            out[f"episode/nuplan/{k}"] = torch.zeros(self.num_envs, device=self.device)
+        if not bool(done.any()):
+            return out
+        rows = torch.nonzero(done).flatten()
+        tr = {k: v[rows].cpu().numpy() for k, v in self.trace.items()}
+        steps = s.steps[rows].cpu().numpy()
+        collided = hard_t[rows][:, [HARD.index(k) for k in ("collision_vehicle", "collision_pedestrian",
+                                                             "collision_static")]].any(-1).cpu().numpy()
+        route_id, route_idx = s.route_id[rows], s.route_idx[rows]
+        ego_prog = self.world.route_cum[route_id, route_idx].cpu().numpy()
+        scen = s.scenario[rows].cpu().numpy()
+        for i, row in enumerate(rows.tolist()):
+            sc = self.scenario_score(row, {k: v[i] for k, v in tr.items()}, int(steps[i]), bool(collided[i]),
+                                     float(ego_prog[i]), int(scen[i]), s)
+            out["episode/nuplan_score"][row] = sc.score
+            for k in M.MULTIPLIERS:
+                out[f"episode/nuplan/{k}"][row] = sc.multipliers[k]
+            for k in M.WEIGHTS:
+                out[f"episode/nuplan/{k}"][row] = sc.weighted[k]
+        return out
+
+    def scenario_score(self, row: int, tr: dict[str, np.ndarray], steps: int, collided: bool, ego_progress: float,
+                       scenario: int, s: NuplanState) -> M.ScenarioScore:
+        """nuPlan's scenario score from one row's trace (chronological order restored from the ring buffer)."""
+        n = max(1, min(steps, self.trace_len))
+        end = (steps - 1) % self.trace_len + 1
+        tr = {k: np.roll(v, -end)[-n:] for k, v in tr.items()}
+        at_fault = self._at_fault_collisions(s, row, bool(tr["multi_lane"][-1] or tr["outside"][-1] > 0)) \
+            if collided else {}
+        ratio = M.progress_ratio(ego_progress, float(self.expert_progress[scenario]))
+        mult = {"no_at_fault_collisions": M.collision_score(at_fault),
+                "drivable_area_compliance": M.drivable_area_compliance(tr["outside"][:, None]),
+                "driving_direction_compliance": M.driving_direction_compliance(tr["lane_prog"], self.cfg.dt),
+                "making_progress": M.making_progress(ratio)}
+        any_fault = sum(at_fault.values()) > 0
+        weighted = {"ego_progress": ratio,
+                    "time_to_collision": 0.0 if (any_fault or tr["ttc"].any()) else 1.0,
+                    "speed_limit": M.speed_limit_compliance(tr["speed"], tr["limit"], self.cfg.dt),
+                    "comfort": M.ego_is_comfortable(M.comfort_signals(tr["speed"], tr["yaw"], self.cfg.dt,
+                                                                      accel=tr["accel"]))}
+        return M.ScenarioScore(self.scenario_tokens[scenario], self.scenario_types[scenario], mult, weighted)
 
 
 def load_scenarios(opts: NuplanOptions, seed: int = 0) -> list[CachedScenario]:
