@@ -128,6 +128,7 @@ class Benchmark:
     groups: list[RouteGroup]
     max_steps: int
     config: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # logged by carl-eval before the run (e.g. Val14: tokens found / missing)
 
     @property
     def num_routes(self) -> int:
@@ -139,12 +140,7 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
     name, env = bcfg.get("name", "?"), bcfg.get("env", "sim")
     options = dict(bcfg.get("options") or {})
     if name == "val14" or env == "nuplan":
-        raise EvalError(
-            f"benchmark={name} (env=nuplan) is not available yet: envs/nuplan reports the simulator's Leaderboard "
-            "scores per episode but not the per-scenario nuPlan closed-loop score (CLS) that Val14 is scored with "
-            "(envs/metrics/nuplan.py computes it from a simulated trace: ego poses, actor boxes and lane geometry "
-            "per step, which the env does not record yet). "
-            "Use benchmark=towns or benchmark=longest6 on env=sim.")
+        return resolve_val14(bcfg)
     if env != "sim":
         raise EvalError(f"benchmark={name}: env={env!r} is not supported by carl-eval yet (use env=sim)")
     groups: list[RouteGroup] = []
@@ -175,6 +171,83 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
     dt = float(options.get("dt", 0.1))
     max_steps = int(bcfg.get("max_steps") or math.ceil(max_time / dt) + 10)
     return Benchmark(name, env, groups, max_steps, dict(bcfg))
+
+
+VAL14_GROUP_SIZE = 64  # scenarios simulated together by one nuPlan env (one row each)
+
+
+def resolve_val14(bcfg: dict[str, Any]) -> Benchmark:
+    """Val14 on ``env=nuplan``: the split yaml's tokens filtered to what the dataset (``options.data_root``, whose
+    missing cache files are built first) or the cache (``options.cache_dir``) holds, in groups of ``group_size``
+    scenarios. ``reactive`` selects IDM agents (the benchmark is then named ``<name>-reactive``)."""
+    from envs.nuplan.cache import CacheError, build_cache, list_cache
+    from envs.nuplan.reader import NuplanDataError, find_logs, list_scenarios, load_split_yaml
+
+    name, env = str(bcfg.get("name", "val14")), str(bcfg.get("env", "nuplan"))
+    if env != "nuplan":
+        raise EvalError(f"benchmark={name} runs on env=nuplan, not env={env}")
+    opts = dict(bcfg.get("options") or {})
+    reactive = bool(bcfg.get("reactive", False) or opts.pop("reactive", False))
+    split_yaml = opts.pop("split_yaml", None)
+    cache_dir = _repo_path(str(opts.get("cache_dir") or "data/nuplan_cache"))
+    data_root = opts.pop("data_root", None)
+    tokens = opts.pop("tokens", None)
+    try:
+        if tokens is None:
+            if not split_yaml:
+                raise EvalError(f"benchmark={name}: set options.split_yaml (the Val14 token list) or options.tokens")
+            tokens = load_split_yaml(_repo_path(str(split_yaml)))["scenario_tokens"] or []
+        tokens = [str(t).lower() for t in tokens]
+        source = f"cache {cache_dir}"
+        if data_root:
+            data_root = _repo_path(str(data_root))
+            specs = [sp for log in find_logs(data_root, opts.get("split"), opts.get("log_names"))
+                     for sp in list_scenarios(log, None, tokens)]
+            build_cache(specs, opts.get("maps_root") or Path(data_root) / "maps", cache_dir, int(opts.get("workers", 1)))
+            source = f"dataset {data_root} (cache {cache_dir})"
+        have = {f.stem for f in list_cache(cache_dir)}
+    except (NuplanDataError, CacheError) as exc:
+        raise EvalError(f"benchmark={name}: {exc}") from None
+    found = [t for t in dict.fromkeys(tokens) if t in have]
+    missing = len(set(tokens)) - len(found)
+    note = (f"{name}: {len(found)} of {len(set(tokens))} scenario tokens found in the {source}; {missing} missing"
+            + (" (not evaluated)" if missing else ""))
+    if not found:
+        raise EvalError(f"benchmark={name}: none of the {len(set(tokens))} scenario tokens "
+                        f"({split_yaml or 'options.tokens'}) is in the {source}; point options.data_root at the "
+                        "nuPlan val logs (or options.cache_dir at a cache built with --split-yaml)")
+    size = int(bcfg.get("group_size") or VAL14_GROUP_SIZE)
+    base = {k: v for k, v in opts.items() if k not in ("split", "log_names", "maps_root", "workers", "scenario_types")}
+    base.update(cache_dir=cache_dir, data_root=None, route_split="eval", reactive=reactive)
+    groups = [RouteGroup(f"{name}_{i // size:03d}", "nuplan",
+                         {**base, "tokens": found[i:i + size], "max_scenarios": len(found[i:i + size])},
+                         len(found[i:i + size])) for i in range(0, len(found), size)]
+    max_steps = int(bcfg.get("max_steps") or 400)  # scenarios are 15 s (150 steps); episodes end by themselves
+    config = {**bcfg, "reactive": reactive, "tokens_sha": hashlib.sha256(" ".join(found).encode()).hexdigest()[:16]}
+    for k in ("options",):  # the data location does not define the benchmark
+        config[k] = {kk: vv for kk, vv in (bcfg.get(k) or {}).items() if kk not in ("data_root", "cache_dir", "workers")}
+    return Benchmark(f"{name}-reactive" if reactive else name, "nuplan", groups, max_steps, config, note)
+
+
+def nuplan_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Val14 aggregates from the records' ``nuplan`` fields: closed-loop score (mean scenario score × 100), the
+    per-metric means, per-type scores."""
+    from envs.metrics.nuplan import ScenarioScore, aggregate as nuplan_aggregate
+
+    scores = [ScenarioScore(r["route_id"], r["nuplan"]["scenario_type"], r["nuplan"]["multipliers"],
+                            r["nuplan"]["weighted"]) for r in records if "nuplan" in r]
+    agg = nuplan_aggregate(scores)
+    return {"closed_loop_score": 100.0 * agg["score"] if scores else None,
+            "nuplan_metrics": {k[len("metric/"):]: v for k, v in agg.items() if k.startswith("metric/")},
+            "nuplan_types": {k[len("type/"):]: 100.0 * v for k, v in agg.items() if k.startswith("type/")}}
+
+
+def nuplan_record_fields(ep: dict[str, float], scenario_type: str) -> dict[str, Any]:
+    from envs.metrics.nuplan import MULTIPLIERS, WEIGHTS
+
+    return {"score": ep.get("episode/nuplan_score"), "scenario_type": scenario_type,
+            "multipliers": {k: ep.get(f"episode/nuplan/{k}") for k in MULTIPLIERS},
+            "weighted": {k: ep.get(f"episode/nuplan/{k}") for k in WEIGHTS}}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -395,6 +468,8 @@ class ResultStore:
 def _make_env(group: RouteGroup, num_envs: int, device: torch.device, seed: int, extra: dict[str, Any]) -> BatchedEnv:
     import envs
 
+    if group.env == "nuplan":  # policy env options (BEV geometry) are SimConfig overrides there
+        extra = {"sim": {**(group.options.get("sim") or {}), **extra}}
     try:
         return envs.make_env(group.env, num_envs=num_envs, device=device, seed=seed, **{**group.options, **extra})
     except (TypeError, ValueError) as exc:
@@ -425,9 +500,15 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             length = float(lengths[rid]) if lengths is not None else None
             store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0,
                                   float(group.options.get("dt", 0.1))))
+            if "episode/nuplan_score" in ep:
+                store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.scenario_types[rid])
+                store.write()
             pending.discard(row)
             recorded += 1
             rec = store.records[-1]
+            if "nuplan" in rec:
+                log(f"  {names[rid]}: nuPlan score {100 * rec['nuplan']['score']:6.2f}  ({rec['nuplan']['scenario_type']})")
+                return
             log(f"  {names[rid]}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
                 f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
 
@@ -452,6 +533,9 @@ def table_rows(summaries: dict[str, dict[str, Any]]) -> tuple[list[str], list[li
     """Header and rows: the main columns, then infractions per km of every type seen in any summary."""
     kinds = [k for k in TABLE_INFRACTIONS if any(k in s.get("infractions_per_km", {}) for s in summaries.values())]
     header = [*TABLE_COLUMNS, *(f"{k}/km" for k in kinds)]
+    cls = any(s.get("closed_loop_score") is not None for s in summaries.values())  # Val14 (nuPlan)
+    if cls:
+        header.insert(2, "nuplan_cls")
 
     def fmt(v: Any, digits: int = 2) -> str:
         return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
@@ -461,6 +545,8 @@ def table_rows(summaries: dict[str, dict[str, Any]]) -> tuple[list[str], list[li
         rows.append([name, f"{s['routes']}/{s['routes_total']}", fmt(s["driving_score"]), fmt(s["route_completion"]),
                      fmt(s["infraction_score"], 3), fmt(s["km"])]
                     + [fmt(s.get("infractions_per_km", {}).get(k), 3) for k in kinds])
+        if cls:
+            rows[-1].insert(2, fmt(s.get("closed_loop_score")))
     return header, rows
 
 
@@ -592,6 +678,8 @@ def evaluate_policy(policy: PolicySource, bench: Benchmark, out_dir: Path, devic
         if n:
             log(f"{policy.name} | {group.name}: {n} routes in {time.perf_counter() - t0:.0f}s")
     summary = summarize(store.records, bench.num_routes)
+    if bench.env == "nuplan":
+        summary.update(nuplan_summary(store.records))
     summary.update(policy=policy.name, policy_id=policy.identity, policy_path=policy.path, benchmark=bench.name,
                    env=bench.env, seed=seed)
     store.write(summary)
@@ -615,6 +703,8 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
     seed, overwrite = int(cfg.get("seed", 0)), bool(cfg.get("overwrite", False))
     log(f"carl-eval: policy {policy.name} | benchmark {bench.name} ({bench.num_routes} routes in {len(bench.groups)} "
         f"groups, env {bench.env}) | out {out_dir}")
+    if bench.note:
+        log(bench.note)
     summary, records = evaluate_policy(policy, bench, out_dir, device, seed, overwrite, log)
 
     summaries = {policy.name: summary}
@@ -637,6 +727,21 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
     return summary
 
 
+# top-level shortcuts for benchmark keys: carl-eval benchmark=val14 env=nuplan reactive=true data_root=...
+SHORTCUTS = {"env": "++benchmark.env", "reactive": "++benchmark.reactive",
+             "data_root": "++benchmark.options.data_root", "cache_dir": "++benchmark.options.cache_dir"}
+
+
+
+def expand_shortcuts(overrides: list[str]) -> list[str]:
+    """``env=``, ``reactive=``, ``data_root=``, ``cache_dir=`` -> the benchmark keys they stand for."""
+    out = []
+    for a in overrides:
+        key, eq, value = a.partition("=")
+        out.append(f"{SHORTCUTS[key]}={value}" if eq and key in SHORTCUTS else a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from carl.bundle import BundleError
     from envs.maps.lanegraph import MapError
@@ -646,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         sys.exit(0)
-    overrides = [a for a in argv if a != "--cfg"]
+    overrides = expand_shortcuts([a for a in argv if a != "--cfg"])
     try:
         cfg = compose("eval", overrides)
         if "--cfg" in argv:

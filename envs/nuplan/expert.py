@@ -11,6 +11,7 @@ from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
 LOOKAHEAD_FRAMES = 8  # 0.8 s ahead on the logged path
 MIN_LOOKAHEAD = 3.0  # m
 SPEED_HORIZON = 0.5  # s to reach the logged speed
+POSITION_GAIN = 1.0  # 1/s²: acceleration per metre behind (or ahead of) the logged pose
 
 
 def make_expert(env):  # noqa: ANN001 - NuplanEnv (import cycle)
@@ -30,7 +31,10 @@ def make_expert(env):  # noqa: ANN001 - NuplanEnv (import cycle)
         alpha = torch.atan2(torch.sin(alpha), torch.cos(alpha))
         tire = torch.atan(2.0 * WHEELBASE * torch.sin(alpha) / ld)
         steer = (tire / MAX_STEER).clamp(-1, 1)
-        a = (v_log - s.ego_speed) / SPEED_HORIZON
+        # speed tracking plus the along-track position error to the logged pose of the next frame (time-indexed)
+        here = env.log_ego[s.scenario, (s.steps + 1).clamp(max=last), :2]
+        lag = ((here - rear) * fwd).sum(-1)
+        a = (v_log - s.ego_speed) / SPEED_HORIZON + POSITION_GAIN * lag
         lon = torch.where(a >= 0, a / MAX_ACCEL, a / MAX_DECEL).clamp(-1, 1)
         return torch.stack((steer, lon), -1)
 

@@ -1,0 +1,64 @@
+"""carl-eval benchmark=val14 env=nuplan on the synthetic nuPlan dataset: token filtering, per-scenario records,
+summary.json with the closed-loop score, resume, reactive."""
+import json
+
+import pytest
+import yaml
+
+from carl.evaluate import EvalError, compose, expand_shortcuts, run
+
+pytestmark = pytest.mark.nuplan
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from envs.nuplan.reader import find_logs, list_scenarios
+    from envs.nuplan.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path_factory.mktemp("nuplan"), num_logs=1)
+    tokens = [sp.token for log in find_logs(root) for sp in list_scenarios(log)]
+    split = tmp_path_factory.mktemp("split") / "val14_test.yaml"
+    split.write_text(yaml.safe_dump({"scenario_tokens": tokens + ["00000000deadbeef"]}))
+    return root, split, tokens
+
+
+def cfg_for(dataset, tmp_path, *extra):
+    root, split, _ = dataset
+    return compose("eval", expand_shortcuts([
+        "benchmark=val14", "env=nuplan", f"data_root={root}", f"cache_dir={tmp_path / 'cache'}",
+        f"benchmark.options.split_yaml={split}", "policy=expert", "worst_videos=0", *extra]))
+
+
+def test_val14_writes_scores_and_resumes(dataset, tmp_path):
+    out = tmp_path / "out"
+    logs: list[str] = []
+    summary = run(cfg_for(dataset, tmp_path, f"out_dir={out}"), log=logs.append)
+    n = len(dataset[2])
+    assert any(f"{n} of {n + 1} scenario tokens found" in m and "1 missing" in m for m in logs)
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["routes"] == n and saved["benchmark"] == "val14"
+    assert 0.0 <= saved["closed_loop_score"] <= 100.0 and saved["closed_loop_score"] > 50.0
+    assert set(saved["nuplan_metrics"]) >= {"no_at_fault_collisions", "drivable_area_compliance", "ego_progress",
+                                            "time_to_collision", "speed_limit", "comfort", "making_progress",
+                                            "driving_direction_compliance"}
+    records = json.loads((out / "results.json").read_text())["_checkpoint"]["records"]
+    assert sorted(r["route_id"] for r in records) == sorted(dataset[2])
+    assert all(0.0 <= r["nuplan"]["score"] <= 1.0 for r in records)
+    assert "nuplan_cls" in (out / "summary.md").read_text()
+    # resume: nothing is re-run, the summary is the same
+    logs.clear()
+    again = run(cfg_for(dataset, tmp_path, f"out_dir={out}"), log=logs.append)
+    assert any("resuming" in m for m in logs)
+    assert again["closed_loop_score"] == pytest.approx(summary["closed_loop_score"])
+    # reactive results are another evaluation: refused in the same folder, fine in another
+    with pytest.raises(EvalError, match="another evaluation"):
+        run(cfg_for(dataset, tmp_path, f"out_dir={out}", "reactive=true"), log=logs.append)
+    rs = run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'out_r'}", "reactive=true"), log=logs.append)
+    assert rs["benchmark"] == "val14-reactive" and rs["routes"] == n
+
+
+def test_val14_without_matching_tokens_is_a_clear_error(dataset, tmp_path):
+    split = tmp_path / "none.yaml"
+    split.write_text(yaml.safe_dump({"scenario_tokens": ["00000000deadbeef"]}))
+    with pytest.raises(EvalError, match="none of the 1 scenario tokens"):
+        run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'o'}", f"benchmark.options.split_yaml={split}"))
