@@ -203,6 +203,7 @@ def resolve_val14(bcfg: dict[str, Any]) -> Benchmark:
             data_root = _repo_path(str(data_root))
             specs = [sp for log in find_logs(data_root, opts.get("split"), opts.get("log_names"))
                      for sp in list_scenarios(log, None, tokens)]
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
             build_cache(specs, opts.get("maps_root") or Path(data_root) / "maps", cache_dir, int(opts.get("workers", 1)))
             source = f"dataset {data_root} (cache {cache_dir})"
         have = {f.stem for f in list_cache(cache_dir)}
