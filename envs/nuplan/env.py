@@ -156,6 +156,26 @@ def _pad_stack(arrays: list[np.ndarray], n: int, t: int) -> np.ndarray:
     return out
 
 
+def bicycle_step(rear: Tensor, yaw: Tensor, speed: Tensor, accel: Tensor, steer: Tensor, action: Tensor, dt: float
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One step of nuPlan's kinematic bicycle model (rear axle, forward Euler, 0.2 s acceleration and 0.05 s steering
+    lags) driven by CaRL's action mapping ``action`` [B, 2] = (steer, longitudinal) in [-1, 1]; a reverse guard
+    stops instead of driving backwards. Returns (rear [B, 2], yaw, speed, accel, steer). Shared by the env and the
+    nuplan-devkit planner adapter (``envs.nuplan.devkit_planner``)."""
+    steer_cmd, acc_cmd = action[:, 0], action[:, 1]
+    a_target = torch.where(acc_cmd >= 0, acc_cmd * MAX_ACCEL, acc_cmd * MAX_DECEL)
+    a_target = torch.where(speed + a_target * dt < 0, -speed - 0.75 * accel, a_target).clamp(-MAX_DECEL, MAX_ACCEL)
+    steer_rate = (steer_cmd * MAX_STEER - steer) / dt
+    fwd = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+    rear = rear + fwd * (speed * dt).unsqueeze(-1)
+    new_yaw = wrap_angle(yaw + speed * torch.tan(steer) / WHEELBASE * dt)
+    new_accel = accel + dt / (dt + ACCEL_LAG) * (a_target - accel)
+    ideal = steer + dt * steer_rate
+    new_steer = (steer + dt / (dt + STEER_LAG) * (ideal - steer)).clamp(-STEER_LIMIT, STEER_LIMIT)
+    new_speed = (speed + new_accel * dt).clamp(min=0.0)
+    return rear, new_yaw, new_speed, new_accel, new_steer
+
+
 def box_corners_t(xy: Tensor, yaw: Tensor, half: Tensor) -> Tensor:
     """Corners [..., 4, 2] (front-left, front-right, rear-right, rear-left) of oriented boxes (torch)."""
     f = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
@@ -362,25 +382,12 @@ class NuplanEnv(SimEnv):
 
     def _move_ego(self, s: NuplanState, action: Tensor) -> None:
         """CaRL's action mapping into nuPlan's kinematic bicycle model (rear axle; forward Euler)."""
-        dt = self.cfg.dt
-        steer_cmd, acc_cmd = action[:, 0], action[:, 1]
-        a_target = torch.where(acc_cmd >= 0, acc_cmd * MAX_ACCEL, acc_cmd * MAX_DECEL)
-        v = s.ego_speed
-        # reverse guard: a PD stop instead of driving backwards
-        a_target = torch.where(v + a_target * dt < 0, -v - 0.75 * s.ego_accel, a_target).clamp(-MAX_DECEL, MAX_ACCEL)
-        steer_rate = (steer_cmd * MAX_STEER - s.ego_steer) / dt
-        heading = s.ego_yaw
-        fwd = torch.stack((torch.cos(heading), torch.sin(heading)), -1)
-        rear = s.ego_xy - REAR_AXLE_TO_CENTRE * fwd
-        rear = rear + fwd * (v * dt).unsqueeze(-1)
-        yaw = wrap_angle(heading + v * torch.tan(s.ego_steer) / WHEELBASE * dt)
-        accel = s.ego_accel + dt / (dt + ACCEL_LAG) * (a_target - s.ego_accel)
-        ideal = s.ego_steer + dt * steer_rate
-        s.ego_steer = (s.ego_steer + dt / (dt + STEER_LAG) * (ideal - s.ego_steer)).clamp(-STEER_LIMIT, STEER_LIMIT)
-        s.ego_speed = (v + accel * dt).clamp(min=0.0)
-        s.ego_accel = accel
-        s.ego_yaw = yaw
+        fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
+        rear, yaw, speed, accel, steer = bicycle_step(s.ego_xy - REAR_AXLE_TO_CENTRE * fwd, s.ego_yaw, s.ego_speed,
+                                                      s.ego_accel, s.ego_steer, action, self.cfg.dt)
+        s.ego_steer, s.ego_speed, s.ego_accel, s.ego_yaw = steer, speed, accel, yaw
         s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+        steer_cmd, acc_cmd = action[:, 0], action[:, 1]
         s.last_action = torch.stack((steer_cmd, acc_cmd.clamp(min=0.0), (-acc_cmd).clamp(min=0.0)), -1)
 
     def _move_actors(self, s: NuplanState) -> None:

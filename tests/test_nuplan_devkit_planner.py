@@ -1,0 +1,75 @@
+"""The nuplan-devkit planner adapter's devkit-free parts: rollout to a trajectory, observation from devkit-style
+inputs (synthetic map), planning with a policy; the planner itself gives a clear ImportError without the devkit."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from envs.nuplan import devkit_planner as dp
+from envs.nuplan.env import MAX_ACCEL
+
+pytestmark = pytest.mark.nuplan
+
+
+def test_rollout_straight_accelerating():
+    traj = dp.rollout_trajectory(np.array([10.0, 5.0]), 0.0, 5.0, 0.0, 0.0,
+                                 lambda k, *state: torch.tensor([[0.0, 1.0]]), steps=20)
+    assert traj.shape == (21, 7)
+    assert np.allclose(traj[:, 0], np.arange(21) * 0.1)
+    assert np.allclose(traj[:, 2], 5.0) and np.allclose(traj[:, 3], 0.0)  # straight along +x
+    assert np.all(np.diff(traj[:, 1]) > 0) and np.all(np.diff(traj[:, 4]) > 0)
+    assert traj[1, 1] == pytest.approx(10.5)  # first step: v * dt at the current speed
+    assert traj[-1, 5] < MAX_ACCEL + 1e-6 and traj[1, 5] == pytest.approx(0.1 / 0.3 * MAX_ACCEL, rel=1e-5)
+
+
+def test_rollout_turning_and_braking():
+    left = dp.rollout_trajectory(np.zeros(2), 0.0, 8.0, 0.0, 0.0, lambda k, *s: torch.tensor([[1.0, 0.0]]), steps=30)
+    assert left[-1, 3] > 0.5 and left[-1, 2] > 0  # turned left
+    stop = dp.rollout_trajectory(np.zeros(2), math.pi / 2, 3.0, 0.0, 0.0, lambda k, *s: torch.tensor([[0.0, -1.0]]),
+                                 steps=40)
+    assert stop[-1, 4] == pytest.approx(0.0, abs=1e-3) and np.all(stop[:, 4] >= 0)  # stops, never reverses
+    assert np.allclose(stop[:, 1], 0.0, atol=1e-4) and np.all(np.diff(stop[:, 2]) >= -1e-6)  # along +y
+
+
+def test_observation_builder_and_plan_on_the_synthetic_map(tmp_path):
+    from envs.nuplan.cache import list_cache, load
+    from envs.nuplan.cache import build_cache
+    from envs.nuplan.nuplan_map import load_location
+    from envs.nuplan.reader import select_scenarios
+    from envs.nuplan.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path / "data", num_logs=1)
+    build_cache(select_scenarios(root), root / "maps", tmp_path / "cache")
+    sc = load(list_cache(tmp_path / "cache")[0])
+    m = load_location(root / "maps", sc.map_name)
+    rear0 = sc.ego[0, :2] + sc.origin
+    b = dp.ObservationBuilder(m, rear0, float(sc.ego[0, 2]), sc.meta["route_roadblock_ids"],
+                              sim={"bev_size": 32, "bev_ego_from_bottom": 12}, cache_dir=str(tmp_path / "r"))
+    car = np.array([[*(rear0 + 8 * np.array([math.cos(sc.ego[0, 2]), math.sin(sc.ego[0, 2])])), sc.ego[0, 2],
+                     4.5, 2.0, 0.0, 0.0]])
+    ego = {"rear": rear0, "yaw": float(sc.ego[0, 2]), "speed": 3.0, "accel": 0.0, "steer": 0.0}
+    b.set_state(ego["rear"], ego["yaw"], 3.0, 0.0, 0.0, np.zeros(2), car, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0)
+    obs = b.observe()
+    assert obs["bev"].shape == (1, 10, 32, 32)
+    assert obs["bev"][0, 0].float().mean() > 0  # road around the ego
+    assert obs["bev"][0, 3].sum() > 0  # the vehicle ahead is drawn
+    assert obs["measurements"][0, 4] == pytest.approx(3.0)
+    calls = []
+
+    def policy(o):
+        calls.append(o["bev"].shape)
+        return torch.tensor([[0.0, 0.5]])
+
+    traj, first = dp.plan(b, policy, ego, car, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0, np.zeros(2), steps=20,
+                          replan_every=5)
+    assert len(calls) == 4 and traj.shape == (21, 7) and first.tolist() == [0.0, 0.5]
+    assert np.allclose(traj[0, 1:3], rear0)  # global frame
+    assert np.linalg.norm(traj[-1, 1:3] - rear0) > 5.0
+
+
+def test_planner_without_devkit_is_a_clear_import_error():
+    if dp.NUPLAN_AVAILABLE:
+        pytest.skip("nuplan-devkit is installed")
+    with pytest.raises(ImportError, match="nuplan-devkit"):
+        dp.CarlPlanner("no/such/policy")
