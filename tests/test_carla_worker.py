@@ -82,7 +82,9 @@ def test_real_client_against_standin(standin) -> None:
     r = run_script(CLIENT, str(standin.ports.rpc))
     assert r["map"].endswith("Town02") and r["frames_increase"]
     assert r["moved_y"] > 1.5 and abs(r["x"] - 10.0) < 1e-3 and 3.0 < r["speed"] < 6.0  # yaw 90 = CARLA +y
-    assert r["actors"][:2] == ["spectator", "vehicle.lincoln.mkz_2020"] and r["actors"][2].startswith("walker.")
+    actors = [a for a in r["actors"] if a != "traffic.traffic_light"]  # the map's lights are actors too
+    assert len(actors) < len(r["actors"])
+    assert actors[:2] == ["spectator", "vehicle.lincoln.mkz_2020"] and actors[2].startswith("walker.")
     assert "map not found" in r["unknown_town"]
 
 
@@ -93,7 +95,7 @@ EQUALITY = """
     from envs.sim.env import SimEnv
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
-                                bev_size=64, route_split="eval", num_routes=16))
+                                bev_size=64, route_split="eval", num_routes=16, carla_lights=False))
     w = CarlaWorker(cc, sc, rpc, tm, seed=3)
     sim = SimEnv(sc, 1, "cpu", seed=3)
     diff = lambda a, b: {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
@@ -110,7 +112,7 @@ EQUALITY = """
 
 
 def test_first_observations_equal_the_builtin_simulator(standin) -> None:
-    """Same route, same actions, no traffic: bitwise on reset and the first step (the stand-in moves the ego with the
+    """Same route, same actions, no traffic, the simulator's light cycle (``carla_lights=False``): bitwise on reset and the first step (the stand-in moves the ego with the
     simulator's bicycle); float32 pose round trips through CARLA's frame allow 1e-5 on measurements later."""
     r = run_script(EQUALITY, str(standin.ports.rpc), str(standin.ports.tm))
     assert r["reset"] == {"measurements": 0.0, "value_measurements": 0.0, "bev": 0.0}
@@ -170,3 +172,61 @@ def test_options_are_validated() -> None:
         make_carla_env(1, twon="Town01")
     with pytest.raises(ConfigError, match="client_timeout"):
         make_carla_env(1, client_timeout=0.0)
+
+
+LIGHTS = """
+    import json, sys, torch, carla
+    from envs.carla.worker import CarlaWorker, split_options
+    from envs.sim.expert import Expert
+    rpc, tm = int(sys.argv[1]), int(sys.argv[2])
+    cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
+                                bev_size=64, route_split="eval", num_routes=16))
+    w = CarlaWorker(cc, sc, rpc, tm, seed=0)
+    expert = Expert(w)
+    tls = list(w.cworld.get_actors().filter("traffic.traffic_light*"))
+    def set_all(colour):
+        for tl in tls:
+            tl.set_state(colour)
+            tl.freeze(True)
+    groups = w.world.stop_group.unsqueeze(0)
+    states = lambda: sorted(set(w._lights(w.state, groups)[0][groups >= 0].tolist()))
+    ch5 = lambda obs: sorted(set(obs["bev"][0, 5].unique().tolist()) - {0})
+    set_all(carla.TrafficLightState.Green)
+    obs = w.reset(seed=0)
+    out = {"lights": len(tls), "groups": int(w.world.group_junction.shape[0]),
+           "matched": int((w._group_light >= 0).sum()), "state": {"green": states()}}
+    steps = 0
+    while not ch5(obs) and steps < 600:  # the expert drives (on green) until a light is in view
+        obs = w.step(expert(obs)).obs
+        steps += 1
+    out["steps_to_light"], out["ch5"] = steps, {"green": ch5(obs)}
+    for name, colour in (("yellow", carla.TrafficLightState.Yellow), ("red", carla.TrafficLightState.Red)):
+        set_all(colour)
+        obs = w.step(expert(obs)).obs
+        out["state"][name], out["ch5"][name] = states(), ch5(obs)
+    out["red_light"] = 0.0
+    for _ in range(150):  # through the red light at full throttle, steering like the expert
+        a = expert(obs)
+        a[:, 1] = 1.0
+        r = w.step(a)
+        obs = r.obs
+        if bool(r.info["done"][0]):
+            out["red_light"] = float(r.info["episode/infractions/red_light"][0])
+            out["termination"] = [k for k, v in r.info.items() if k.startswith("episode/termination/") and float(v[0])]
+            break
+    w.close()
+    print(json.dumps(out))
+"""
+
+
+def test_traffic_lights_set_on_the_server_reach_the_observation(standin) -> None:
+    """The stand-in serves one light per signalised stop line; colours set through the client show in ``_lights``,
+    in BEV channel 5 and in the red-light check."""
+    from envs.sim.observation import LIGHT_GREEN, LIGHT_RED
+
+    r = run_script(LIGHTS, str(standin.ports.rpc), str(standin.ports.tm))
+    assert r["lights"] > 0 and r["matched"] == r["groups"], r
+    assert r["state"] == {"green": [0], "yellow": [1], "red": [2]}, r
+    assert r["ch5"]["green"] == [LIGHT_GREEN] and r["ch5"]["red"] == [LIGHT_RED], r
+    assert len(r["ch5"]["yellow"]) == 1 and LIGHT_GREEN < r["ch5"]["yellow"][0] <= LIGHT_RED, r
+    assert r["red_light"] == 1.0 and r["termination"] == ["episode/termination/red_light"], r

@@ -5,7 +5,9 @@ unmodified ``carla==0.9.16`` client where no CARLA server can run (CI, laptops).
 no rendering, no sensors, no collision physics, no walker navigation and no CARLA Traffic Manager behaviour beyond
 applying the controls the client-side TM sends. Vehicles move with the built-in simulator's kinematic bicycle
 (``envs/sim/env.py``, default ``SimConfig`` constants) so that a policy sees the same first observations here and in
-the built-in simulator; walkers move in a straight line with their last ``WalkerControl``.
+the built-in simulator; walkers move in a straight line with their last ``WalkerControl``. Traffic lights: one
+``traffic.traffic_light`` actor per signalised stop line of the map (the simulator's light groups and phases),
+cycling green -> yellow -> red per junction phase on simulation time; ``set_state`` / ``freeze`` work.
 
 Protocol (``docs/carla.md`` and the shared client notes, section 5): msgpack-RPC over TCP on the RPC port (every
 request carries a leading metadata argument; results are wrapped as ``carla::rpc::Response``), and one TCP connection
@@ -47,6 +49,10 @@ DEFAULT_SETTINGS = [False, False, [False], False, 0.01, 10, 0.0, True, 3000.0, 2
 MAX_STEER, WHEELBASE, MAX_ACCEL, MAX_BRAKE = 0.6, 2.9, 4.0, 8.0
 SPEED_LIMIT_KMH = 30.0
 ATTR_BOOL, ATTR_INT, ATTR_FLOAT, ATTR_STRING = 1, 2, 3, 4  # attribute type codes on the 0.9.16 wire
+# traffic lights: carla.TrafficLightState codes, and the stand-in's cycle (seconds) per junction phase
+TL_RED, TL_YELLOW, TL_GREEN, TL_OFF = 0, 1, 2, 3
+TL_GREEN_TIME, TL_YELLOW_TIME, TL_ALL_RED_TIME = 10.0, 3.0, 1.0
+TL_TAG = b"\x12"  # semantic tag 18 = TrafficLight
 
 
 def _attr(name: str, kind: int, value: str, recommended: list[str] | None = None, modifiable: bool = False) -> list:
@@ -147,6 +153,95 @@ class Actor:
         return head + union.ljust(54, b"\0")
 
 
+@dataclass
+class TrafficLight(Actor):
+    """A light on one stop line: phase ``phase`` of ``num_phases`` at its junction (the map's light groups); the
+    trigger volume (``bounding_box``) lies on the stop line in the actor's frame."""
+
+    sign_id: str = ""
+    group: int = -1  # the map's light group (lights of one group always show the same colour)
+    junction: int = 0
+    phase: int = 0
+    num_phases: int = 1
+    offset: float = 0.0  # junction cycle offset (s)
+    green_time: float = TL_GREEN_TIME
+    yellow_time: float = TL_YELLOW_TIME
+    pole_index: int = 0
+    override: int | None = None  # a state set through set_state: held until the cycle changes colour (or frozen)
+    override_base: int = TL_GREEN
+    frozen_at: float | None = None  # simulation time the light was frozen at
+
+    def rpc(self) -> list:
+        bbox = [[0.0, 0.0, 1.0], list(self.extent), [0.0, 0.0, 0.0]]  # trigger volume, actor-local
+        return [self.id, 0, [0, self.type_id, self.attributes], bbox, TL_TAG, b""]
+
+    def step(self, dt: float) -> None:
+        return
+
+    @property
+    def phase_len(self) -> float:
+        return self.green_time + self.yellow_time + TL_ALL_RED_TIME
+
+    @property
+    def red_time(self) -> float:
+        return self.num_phases * self.phase_len - self.green_time - self.yellow_time
+
+    def cycle(self, t: float) -> tuple[int, float]:
+        """(state, seconds in that state) of the cycle at simulation time ``t``."""
+        t = self.frozen_at if self.frozen_at is not None else t
+        cycle = self.num_phases * self.phase_len
+        rel = (t + self.offset - self.phase * self.phase_len) % cycle
+        if rel < self.green_time:
+            return TL_GREEN, rel
+        if rel < self.green_time + self.yellow_time:
+            return TL_YELLOW, rel - self.green_time
+        return TL_RED, rel - self.green_time - self.yellow_time
+
+    def state_at(self, t: float) -> tuple[int, float]:
+        state, elapsed = self.cycle(t)
+        if self.override is not None:
+            if self.frozen_at is None and state != self.override_base:
+                self.override = None  # the cycle moved on: the set state ends, as in CARLA
+            else:
+                return self.override, 0.0
+        return state, elapsed
+
+    def record_at(self, t: float) -> bytes:
+        state, elapsed = self.state_at(t)
+        head = struct.pack("<IB6f3f3f3f", self.id, 1, self.x, self.y, self.z, self.pitch, self.yaw, self.roll,
+                           *([0.0] * 9))
+        union = struct.pack("<32s4fI?B", self.sign_id.encode()[:31], self.green_time, self.yellow_time,
+                            self.red_time, elapsed, self.pole_index, self.frozen_at is not None, state)
+        return head + union  # TrafficLightData fills the 54-byte union exactly
+
+
+def map_lights(xodr: Path, first_id: int) -> list[TrafficLight]:
+    """One light per signalised stop line of the town, from the simulator's compiled map (its light groups).
+
+    Imports the map compiler from this repository (numpy and the offline ``carla.Map``; no torch)."""
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from envs.maps.lanegraph import CONTROL_LIGHT  # noqa: PLC0415
+    from envs.maps.opendrive import load_town  # noqa: PLC0415
+
+    g = load_town(xodr.stem, maps_dir=xodr.parent)
+    out: list[TrafficLight] = []
+    for k, (lane, control, group) in enumerate(zip(g.stop_lane, g.stop_control, g.stop_light_group)):
+        if int(control) != CONTROL_LIGHT or group < 0:
+            continue
+        pts = g.lane_points(int(lane))
+        (x, y), (px, py) = pts[-1], pts[-2]
+        yaw = -math.degrees(math.atan2(y - py, x - px))  # ours -> CARLA: (x, -y), clockwise degrees
+        junction = int(g.light_junction[group])
+        half_w = float(g.width[int(lane)]) / 2
+        out.append(TrafficLight(first_id + len(out), "traffic.traffic_light", [], (1.0, half_w, 1.0), float(x),
+                                -float(y), 0.0, yaw, sign_id=f"standin-{k}", group=int(group), junction=junction,
+                                phase=int(g.light_phase[group]), num_phases=max(1, int(g.light_num_phases[group])),
+                                offset=(junction * 7.3) % 100.0, pole_index=len(out)))
+    return out
+
+
 class World:
     """The stand-in's whole state, guarded by one lock (RPC threads, stream threads)."""
 
@@ -165,6 +260,17 @@ class World:
         self.subscribers: list[socket.socket] = []
         self.spectator = Actor(SPECTATOR_ID, "spectator", [], (0.0, 0.0, 0.0), 0.0, 0.0, 0.0, 0.0)
         self._xodr: dict[str, str] = {}
+        self.lights: dict[int, TrafficLight] = {}
+        self.load_lights()
+
+    def load_lights(self) -> None:
+        """Traffic-light actors of the current town (ids below the spawned actors'; a failure leaves none)."""
+        try:
+            lights = map_lights(self.maps[self.town], 10)
+        except Exception:  # noqa: BLE001 - a map the compiler rejects still serves, without lights
+            log.exception("no traffic lights for %s", self.town)
+            lights = []
+        self.lights = {tl.id: tl for tl in lights[: FIRST_ACTOR_ID - 10]}
 
     # -------------------------------------------------------------------------------- helpers
     def xodr(self) -> str:
@@ -183,7 +289,8 @@ class World:
         actors = [self.spectator, *self.actors.values()]
         header = struct.pack("<QQd6f", EPISODE_STATE_SENSOR, self.frame, self.elapsed, 0, 0, 0, 0, 0, 0)
         episode = struct.pack("<Qdf3ii", self.episode, time.time(), self.dt(), 0, 0, 0, 0)
-        payload = header + episode + b"".join(a.record() for a in actors)
+        payload = header + episode + b"".join(a.record() for a in actors) + b"".join(
+            tl.record_at(self.elapsed) for tl in self.lights.values())
         return struct.pack("<I", len(payload)) + payload
 
     def broadcast(self) -> None:
@@ -220,7 +327,15 @@ class World:
         return actor
 
     def find(self, actor_id: int) -> Actor | None:
-        return self.spectator if actor_id == SPECTATOR_ID else self.actors.get(actor_id)
+        if actor_id == SPECTATOR_ID:
+            return self.spectator
+        return self.actors.get(actor_id) or self.lights.get(actor_id)
+
+    def light(self, actor_id: int) -> TrafficLight:
+        tl = self.lights.get(actor_id)
+        if tl is None:
+            raise RpcFailure(f"actor {actor_id} is not a traffic light")
+        return tl
 
 
 class RpcFailure(Exception):
@@ -242,6 +357,7 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
         if town not in w.maps:
             raise RpcFailure("map not found")
         w.town, w.actors, w.episode = town, {}, w.episode + 1
+        w.load_lights()
         if reset_settings:
             w.settings = list(DEFAULT_SETTINGS)
         w.broadcast()
@@ -296,6 +412,40 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
             w.tick()
         return out
 
+    def set_light_state(actor_id: int, state: int) -> list:
+        tl = w.light(actor_id)
+        tl.override, tl.override_base = int(state), tl.cycle(w.elapsed)[0]
+        return VOID
+
+    def freeze_light(actor_id: int, frozen: bool) -> list:
+        tl = w.light(actor_id)
+        tl.frozen_at = w.elapsed if frozen else None
+        return VOID
+
+    def freeze_all(frozen: bool) -> list:
+        for tl in w.lights.values():
+            tl.frozen_at = w.elapsed if frozen else None
+        return VOID
+
+    def reset_all() -> list:
+        for tl in w.lights.values():
+            tl.override, tl.frozen_at = None, None
+        return VOID
+
+    def set_light_time(field_name: str) -> Callable[..., list]:
+        def handler(actor_id: int, seconds: float) -> list:
+            setattr(w.light(actor_id), field_name, float(seconds))
+            return VOID
+        return handler
+
+    def group_lights(actor_id: int) -> list:
+        tl = w.light(actor_id)
+        return ok([o.id for o in w.lights.values() if o.junction == tl.junction])
+
+    def light_boxes(actor_id: int) -> list:
+        tl = w.light(actor_id)
+        return ok([[[tl.x, tl.y, 3.0], [0.2, 0.2, 0.5], [0.0, 0.0, 0.0]]])
+
     def add_tm(info: list) -> list:
         ip, port = info
         new = port not in w.tms
@@ -334,8 +484,15 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
         "get_vehicle_light_states": lambda: ok([[a.id, 0] for a in w.actors.values() if a.is_vehicle]),
         "get_weather_parameters": lambda: ok([0.0] * 14),
         "apply_batch": apply_batch,
-        "reset_all_traffic_lights": lambda: VOID,
-        "freeze_all_traffic_lights": lambda frozen: VOID,
+        "reset_all_traffic_lights": reset_all,
+        "freeze_all_traffic_lights": freeze_all,
+        "set_traffic_light_state": set_light_state,
+        "freeze_traffic_light": freeze_light,
+        "set_traffic_light_green_time": set_light_time("green_time"),
+        "set_traffic_light_yellow_time": set_light_time("yellow_time"),
+        "get_group_traffic_lights": group_lights,
+        "reset_traffic_light_group": lambda actor_id: reset_all(),
+        "get_light_boxes": light_boxes,
     }
 
 

@@ -16,7 +16,8 @@ Crash handling: if the server dies or the client times out during a step, the ep
 (``info["carla/crash"]``), the server is restarted through :class:`envs.carla.servers.CarlaServer` (or, for an
 external server, waited for), a new client is created (old clients never reconnect), the restart is counted
 (``info["carla/restarts"]``) and the next episode starts. A failure while starting an episode is retried the same
-way. Traffic lights keep the simulator's light model (see ``docs/carla.md``).
+way. Traffic lights: ``_lights`` reports the colours of CARLA's traffic-light actors, matched to the map's light groups
+by their trigger volumes (``carla_lights``; see ``docs/carla.md``).
 """
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ from torch import Tensor
 from envs.api import StepResult
 from envs.carla.mapping import Reading, build_carla_world, fill_pedestrians, fill_vehicles, graph_from_xodr, route_towns
 from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
-from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
+from envs.maps.opendrive import carla_to_world, world_to_carla, world_yaw_to_carla
 from envs.sim.config import ConfigError, SimConfig, from_dict
 from envs.sim.env import SimEnv, SimState
 
 log = logging.getLogger(__name__)
 
 EGO_BLUEPRINT = "vehicle.lincoln.mkz_2020"  # CaRL's ego; half extent (2.45, 1.05) = SimConfig.ego_half_extent
+LIGHT_MATCH_M = 15.0  # a stop line takes the CARLA light whose trigger volume centre is nearest, within this distance
+CARLA_LIGHT_STATE = {0: 2, 1: 1, 2: 0}  # carla.TrafficLightState Red/Yellow/Green -> ours; Off/Unknown -> green
 
 
 def _all_rows(device: torch.device) -> tuple[Tensor, ...]:
@@ -77,6 +80,7 @@ class CarlaConfig:
     check_version: bool = True
     log_dir: str = "carla_logs"
     start_method: str = "spawn"  # multiprocessing start method of the worker processes
+    carla_lights: bool = True  # light states from CARLA's traffic-light actors; false = the simulator's light cycle
 
     def validate(self) -> "CarlaConfig":
         def need(cond: bool, key: str, fix: str) -> None:
@@ -143,6 +147,8 @@ class CarlaWorker(SimEnv):
         self._crashed = False
         self._tracked = _Tracked()
         self._last: tuple[Reading, Reading] = (Reading.empty(), Reading.empty())
+        self._light_actors: list[Any] = []
+        self._group_light: Tensor | None = None  # [G] index into _light_actors per light group, -1 none
         self.carla = _carla()
         if scfg.route_file and ccfg.town not in route_towns(scfg.route_file):
             raise CarlaError(f"route file {scfg.route_file} has no routes for town {ccfg.town!r}; it uses "
@@ -183,6 +189,7 @@ class CarlaWorker(SimEnv):
             self.tm.set_random_device_seed(seed)
         self.cmap = world.get_map()
         self._tracked = _Tracked()
+        self._light_actors, self._group_light = [], None  # mapped again on the first read (new actors, new client)
 
     def _recover(self, why: BaseException) -> None:
         """Restart (or wait for) the server and reconnect with a new client; counts the restart."""
@@ -332,6 +339,68 @@ class CarlaWorker(SimEnv):
                             if snaps else Reading.empty())
         self._last = (readings[0], readings[1])
         self._apply_last(s)
+        self._read_lights()
+
+    # ------------------------------------------------------------------ traffic lights
+    def _map_lights(self) -> None:
+        """CARLA's traffic-light actors -> the map's light groups.
+
+        Each signalised stop line takes the light whose trigger-volume centre is nearest (within
+        :data:`LIGHT_MATCH_M`); a group takes the light most of its stop lines chose. Lights are static, so this runs
+        once per connection."""
+        w = self.world
+        num_groups = int(w.group_junction.shape[0])
+        group_light = np.full(max(num_groups, 1), -1, np.int64)
+        lights = list(self.cworld.get_actors().filter("traffic.traffic_light*")) if self.ccfg.carla_lights else []
+        if lights and num_groups:
+            centres = []
+            for tl in lights:
+                loc = tl.get_transform().transform(tl.trigger_volume.location)
+                centres.append(carla_to_world(loc.x, loc.y))
+            centres = np.asarray(centres, np.float64).reshape(-1, 2)
+            stop_xy, groups = w.stop_xy.cpu().numpy(), w.stop_group.cpu().numpy()
+            d = np.linalg.norm(stop_xy[:, None] - centres[None], axis=-1)
+            near, close = d.argmin(1), d.min(1) < LIGHT_MATCH_M
+            for g in range(num_groups):
+                votes = near[(groups == g) & close]
+                if len(votes):
+                    group_light[g] = np.bincount(votes).argmax()
+        self._light_actors = lights
+        self._group_light = torch.as_tensor(group_light, device=self.device)
+        self._light_used = sorted(set(group_light[group_light >= 0].tolist()))
+        self._light_state = torch.zeros(max(len(lights), 1), dtype=torch.long, device=self.device)
+        self._light_yellow = torch.zeros(max(len(lights), 1), device=self.device)
+        if self.ccfg.carla_lights:
+            log.info("CARLA port %d: %d traffic lights, %d of %d light groups matched", self.port, len(lights),
+                     int((group_light >= 0).sum()), num_groups)
+
+    def _read_lights(self) -> None:
+        """Colours of the mapped lights from the latest snapshot (the client reads them from the state stream)."""
+        if self._group_light is None:
+            self._map_lights()
+        if not self._light_used:
+            return
+        state, yellow = self._light_state.clone(), self._light_yellow.clone()
+        for i in self._light_used:
+            tl = self._light_actors[i]
+            code = int(tl.get_state())
+            state[i] = CARLA_LIGHT_STATE.get(code, 0)
+            yellow[i] = max(tl.get_yellow_time() - tl.get_elapsed_time(), 0.0) if code == 1 else 0.0
+        self._light_state, self._light_yellow = state, yellow
+
+    def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
+        """CARLA's light colours for light groups [B, N]: (0 green / 1 yellow / 2 red, seconds of yellow left).
+
+        With ``carla_lights`` off, or a server without light actors, the simulator's cycle model; a group no CARLA
+        light matched counts as green (no light)."""
+        if self._group_light is None or not self._light_actors:
+            return super()._lights(s, group)
+        light = self._group_light[group.clamp(min=0)]
+        have = (group >= 0) & (light >= 0)
+        idx = light.clamp(min=0)
+        state = torch.where(have, self._light_state[idx], torch.zeros_like(idx))
+        yellow = torch.where(have, self._light_yellow[idx], torch.zeros_like(self._light_yellow[idx]))
+        return state, yellow
 
     def _arrays(self, snaps: list[Any], ids: list[int]) -> tuple[np.ndarray, ...]:
         tf = [x.get_transform() for x in snaps]
