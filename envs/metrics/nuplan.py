@@ -184,21 +184,30 @@ def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float = 0.1
 
 def savgol(x: np.ndarray, window: int, order: int, deriv: int, dt: float) -> np.ndarray:
     """Savitzky–Golay filter (least-squares polynomial per window; edges use the first/last full window, as
-    scipy's ``mode='interp'``). The window shrinks to the signal length when the signal is shorter."""
+    scipy's ``mode='interp'``). The window shrinks to the signal length when the signal is shorter.
+
+    Vectorised: the fitted polynomial's ``deriv``-th derivative at offset o of a window is a fixed linear combination
+    of the window's samples (a row of the pseudo-inverse of the Vandermonde matrix), so every output is one dot
+    product with its window (same values as a per-sample ``np.polyfit``)."""
     x = np.asarray(x, np.float64)
     n = len(x)
     w = min(window, n)
     order = min(order, w - 1)
     if w < 2:
         return np.zeros_like(x) if deriv else x.copy()
-    out = np.empty(n)
+    if deriv > order:
+        return np.zeros(n)
+    t = np.arange(w) * dt
+    pinv = np.linalg.pinv(np.vander(t, order + 1, increasing=True))  # [order+1, w]: samples -> coefficients
+    j = np.arange(order + 1)
+    fact = np.array([math.perm(int(k), deriv) if k >= deriv else 0 for k in j], np.float64)
+    powers = np.where(j >= deriv, np.power.outer(t, np.clip(j - deriv, 0, None)), 0.0)  # [w (offset), order+1]
+    weights = (powers * fact) @ pinv  # [offset, w]
     half = (w - 1) // 2
-    for i in range(n):
-        start = min(max(i - half, 0), n - w)
-        tt = (np.arange(start, start + w) - i) * dt
-        coef = np.polyfit(tt, x[start:start + w], order)
-        out[i] = np.polyval(np.polyder(coef, deriv), 0.0) if deriv <= order else 0.0
-    return out
+    idx = np.arange(n)
+    start = np.clip(idx - half, 0, n - w)
+    windows = np.lib.stride_tricks.sliding_window_view(x, w)[start]  # [n, w]
+    return np.einsum("nw,nw->n", weights[idx - start], windows)
 
 
 def comfort_signals(speed: np.ndarray, yaw: np.ndarray, dt: float = 0.1,

@@ -76,6 +76,7 @@ class NuplanOptions:
     red_light: bool = False  # red-light termination (CaRL nuPlan: off)
     route_split: str = "train"  # "train": random scenarios; "eval": each scenario once, in order
     workers: int = 1  # cache build processes
+    score: bool = True  # record the per-step trace and report nuPlan's closed-loop score per episode
     sim: dict = field(default_factory=dict)  # SimConfig overrides (bev_size, reward, ...)
 
     def validate(self) -> "NuplanOptions":
@@ -410,8 +411,9 @@ class NuplanEnv(SimEnv):
     def _episode_info(self, s: NuplanState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         info = super()._episode_info(s, done, hard_t, truncated)
         info["episode/scenario"] = s.scenario.float()
-        self._record_trace(s)
-        info.update(self._nuplan_scores(s, done, hard_t))
+        if self.opts.score:
+            self._record_trace(s)
+            info.update(self._nuplan_scores(s, done, hard_t))
         return info
 
     # ------------------------------------------------------------------ nuPlan closed-loop score
