@@ -206,7 +206,7 @@ def resolve_val14(bcfg: dict[str, Any]) -> Benchmark:
             Path(cache_dir).mkdir(parents=True, exist_ok=True)
             build_cache(specs, opts.get("maps_root") or Path(data_root) / "maps", cache_dir, int(opts.get("workers", 1)))
             source = f"dataset {data_root} (cache {cache_dir})"
-        have = {f.stem for f in list_cache(cache_dir)}
+        have = {f.stem for f in list_cache(cache_dir)} if Path(cache_dir).is_dir() else set()
     except (NuplanDataError, CacheError) as exc:
         raise EvalError(f"benchmark={name}: {exc}") from None
     found = [t for t in dict.fromkeys(tokens) if t in have]

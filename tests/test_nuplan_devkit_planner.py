@@ -33,8 +33,7 @@ def test_rollout_turning_and_braking():
 
 
 def test_observation_builder_and_plan_on_the_synthetic_map(tmp_path):
-    from envs.nuplan.cache import list_cache, load
-    from envs.nuplan.cache import build_cache
+    from envs.nuplan.cache import build_cache, list_cache, load
     from envs.nuplan.nuplan_map import load_location
     from envs.nuplan.reader import select_scenarios
     from envs.nuplan.synthetic import make_synthetic_dataset

@@ -88,8 +88,8 @@ def test_at_fault_collision_scores_zero(data):
 
 
 def test_ttc_step_check():
-    ego = dict(ego_xy=torch.zeros(2, 2), ego_yaw=torch.zeros(2), ego_speed=torch.tensor([10.0, 0.0]),
-               ego_half=torch.tensor([[2.5, 1.0]] * 2), junction=torch.zeros(2, dtype=torch.bool))
+    ego = {"ego_xy": torch.zeros(2, 2), "ego_yaw": torch.zeros(2), "ego_speed": torch.tensor([10.0, 0.0]),
+           "ego_half": torch.tensor([[2.5, 1.0]] * 2), "junction": torch.zeros(2, dtype=torch.bool)}
     # a stopped car 10 m ahead: the moving ego reaches it within 0.95 s; the stopped ego has no TTC
     xy = torch.tensor([[[10.0, 0.0], [-10.0, 0.0]]] * 2)
     out = nuplan_ttc_violation(**ego, xy=xy, yaw=torch.zeros(2, 2), speed=torch.zeros(2, 2),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
