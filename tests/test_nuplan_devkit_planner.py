@@ -72,3 +72,25 @@ def test_planner_without_devkit_is_a_clear_import_error():
         pytest.skip("nuplan-devkit is installed")
     with pytest.raises(ImportError, match="nuplan-devkit"):
         dp.CarlPlanner("no/such/policy")
+
+
+def test_plan_with_a_loaded_policy(tmp_path):
+    """carl.load_policy's callable drives the planner loop on observations of the policy's BEV geometry."""
+    import carl
+    from envs.nuplan.nuplan_map import load_location
+    from envs.nuplan.synthetic import make_synthetic_dataset
+    from tests.test_eval_val14 import tiny_checkpoint
+
+    root = make_synthetic_dataset(tmp_path / "data", num_logs=1)
+    policy, spec = carl.load_policy(tiny_checkpoint(tmp_path / "run" / "last.pt"))
+    g = spec["bev_geometry"]
+    m = load_location(root / "maps", next(iter(p.name for p in (root / "maps").iterdir() if p.is_dir())))
+    lane = next(lane for lane in m.lanes.values() if not lane.is_connector)
+    start = lane.baseline[0]
+    yaw = float(np.arctan2(*(lane.baseline[1] - lane.baseline[0])[::-1]))
+    b = dp.ObservationBuilder(m, start, yaw, [lane.group], cache_dir=str(tmp_path / "r"),
+                              sim={k: g[k] for k in ("bev_size", "bev_ppm", "bev_ego_from_bottom")})
+    ego = {"rear": start, "yaw": yaw, "speed": 2.0, "accel": 0.0, "steer": 0.0}
+    traj, first = dp.plan(b, policy, ego, np.zeros((0, 7)), np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0,
+                          np.zeros(2), steps=10)
+    assert traj.shape == (11, 7) and np.isfinite(traj).all() and np.all(np.abs(first) <= 1.0)
