@@ -194,7 +194,7 @@ LIGHTS = """
     set_all(carla.TrafficLightState.Green)
     obs = w.reset(seed=0)
     out = {"lights": len(tls), "groups": int(w.world.group_junction.shape[0]),
-           "matched": int((w._group_light >= 0).sum()), "state": {"green": states()}}
+           "matched": w._light_src.matched, "state": {"green": states()}}
     steps = 0
     while not ch5(obs) and steps < 600:  # the expert drives (on green) until a light is in view
         obs = w.step(expert(obs)).obs

@@ -126,6 +126,80 @@ def _carla() -> Any:
     return carla
 
 
+def split_action(action: Tensor | np.ndarray) -> tuple[float, float, float]:
+    """A policy action (steer, longitudinal) in [-1, 1] -> (steer ours, throttle, brake): the simulator's split."""
+    steer, lon = float(action[0]), float(action[1])
+    return steer, max(lon, 0.0), max(-lon, 0.0)
+
+
+def vehicle_control(carla: Any, action: Tensor | np.ndarray) -> Any:
+    """``carla.VehicleControl`` for a policy action; CARLA steers right for positive values, we steer left."""
+    steer, throttle, brake = split_action(action)
+    return carla.VehicleControl(throttle=throttle, steer=-steer, brake=brake)
+
+
+class CarlaLights:
+    """CARLA's traffic-light actors -> the map's light groups, and their colours each tick.
+
+    Each signalised stop line of ``world`` takes the light whose trigger-volume centre is nearest (within
+    :data:`LIGHT_MATCH_M`); a group takes the light most of its stop lines chose. Lights are static, so the matching
+    runs once per connection. Colours are read from the client's latest snapshot (no RPC). ``__call__(group)`` returns
+    ``(state 0/1/2, yellow seconds left)`` for light groups [B, N], or None when no CARLA light is in use (the caller
+    then falls back to the simulator's cycle); a group no light matched counts as green."""
+
+    def __init__(self, world: Any, cworld: Any, device: torch.device, enabled: bool = True, where: str = "CARLA"):
+        self.device = device
+        num_groups = int(world.group_junction.shape[0])
+        group_light = np.full(max(num_groups, 1), -1, np.int64)
+        lights = list(cworld.get_actors().filter("traffic.traffic_light*")) if enabled else []
+        if lights and num_groups:
+            centres = []
+            for tl in lights:
+                loc = tl.get_transform().transform(tl.trigger_volume.location)
+                centres.append(carla_to_world(loc.x, loc.y))
+            centres = np.asarray(centres, np.float64).reshape(-1, 2)
+            stop_xy, groups = world.stop_xy.cpu().numpy(), world.stop_group.cpu().numpy()
+            d = np.linalg.norm(stop_xy[:, None] - centres[None], axis=-1)
+            near, close = d.argmin(1), d.min(1) < LIGHT_MATCH_M
+            for g in range(num_groups):
+                votes = near[(groups == g) & close]
+                if len(votes):
+                    group_light[g] = np.bincount(votes).argmax()
+        self.actors = lights
+        self.group_light = torch.as_tensor(group_light, device=device)
+        self.used = sorted(set(group_light[group_light >= 0].tolist()))
+        self.state = torch.zeros(max(len(lights), 1), dtype=torch.long, device=device)
+        self.yellow = torch.zeros(max(len(lights), 1), device=device)
+        if enabled:
+            log.info("%s: %d traffic lights, %d of %d light groups matched", where, len(lights),
+                     int((group_light >= 0).sum()), num_groups)
+
+    @property
+    def matched(self) -> int:
+        return int((self.group_light >= 0).sum()) if self.actors else 0
+
+    def read(self) -> None:
+        if not self.used:
+            return
+        state, yellow = self.state.clone(), self.yellow.clone()
+        for i in self.used:
+            tl = self.actors[i]
+            code = int(tl.get_state())
+            state[i] = CARLA_LIGHT_STATE.get(code, 0)
+            yellow[i] = max(tl.get_yellow_time() - tl.get_elapsed_time(), 0.0) if code == 1 else 0.0
+        self.state, self.yellow = state, yellow
+
+    def __call__(self, group: Tensor) -> tuple[Tensor, Tensor] | None:
+        if not self.actors:
+            return None
+        light = self.group_light[group.clamp(min=0)]
+        have = (group >= 0) & (light >= 0)
+        idx = light.clamp(min=0)
+        state = torch.where(have, self.state[idx], torch.zeros_like(idx))
+        yellow = torch.where(have, self.yellow[idx], torch.zeros_like(self.yellow[idx]))
+        return state, yellow
+
+
 @dataclass
 class _Tracked:
     """CARLA actors of the current episode and their bounding-box half extents (ours: length, width)."""
@@ -147,8 +221,7 @@ class CarlaWorker(SimEnv):
         self._crashed = False
         self._tracked = _Tracked()
         self._last: tuple[Reading, Reading] = (Reading.empty(), Reading.empty())
-        self._light_actors: list[Any] = []
-        self._group_light: Tensor | None = None  # [G] index into _light_actors per light group, -1 none
+        self._light_src: CarlaLights | None = None  # CARLA's lights -> light groups; built on the first read
         self.carla = _carla()
         if scfg.route_file and ccfg.town not in route_towns(scfg.route_file):
             raise CarlaError(f"route file {scfg.route_file} has no routes for town {ccfg.town!r}; it uses "
@@ -189,7 +262,7 @@ class CarlaWorker(SimEnv):
             self.tm.set_random_device_seed(seed)
         self.cmap = world.get_map()
         self._tracked = _Tracked()
-        self._light_actors, self._group_light = [], None  # mapped again on the first read (new actors, new client)
+        self._light_src = None  # mapped again on the first read (new actors, new client)
 
     def _recover(self, why: BaseException) -> None:
         """Restart (or wait for) the server and reconnect with a new client; counts the restart."""
@@ -341,66 +414,17 @@ class CarlaWorker(SimEnv):
         self._apply_last(s)
         self._read_lights()
 
-    # ------------------------------------------------------------------ traffic lights
-    def _map_lights(self) -> None:
-        """CARLA's traffic-light actors -> the map's light groups.
-
-        Each signalised stop line takes the light whose trigger-volume centre is nearest (within
-        :data:`LIGHT_MATCH_M`); a group takes the light most of its stop lines chose. Lights are static, so this runs
-        once per connection."""
-        w = self.world
-        num_groups = int(w.group_junction.shape[0])
-        group_light = np.full(max(num_groups, 1), -1, np.int64)
-        lights = list(self.cworld.get_actors().filter("traffic.traffic_light*")) if self.ccfg.carla_lights else []
-        if lights and num_groups:
-            centres = []
-            for tl in lights:
-                loc = tl.get_transform().transform(tl.trigger_volume.location)
-                centres.append(carla_to_world(loc.x, loc.y))
-            centres = np.asarray(centres, np.float64).reshape(-1, 2)
-            stop_xy, groups = w.stop_xy.cpu().numpy(), w.stop_group.cpu().numpy()
-            d = np.linalg.norm(stop_xy[:, None] - centres[None], axis=-1)
-            near, close = d.argmin(1), d.min(1) < LIGHT_MATCH_M
-            for g in range(num_groups):
-                votes = near[(groups == g) & close]
-                if len(votes):
-                    group_light[g] = np.bincount(votes).argmax()
-        self._light_actors = lights
-        self._group_light = torch.as_tensor(group_light, device=self.device)
-        self._light_used = sorted(set(group_light[group_light >= 0].tolist()))
-        self._light_state = torch.zeros(max(len(lights), 1), dtype=torch.long, device=self.device)
-        self._light_yellow = torch.zeros(max(len(lights), 1), device=self.device)
-        if self.ccfg.carla_lights:
-            log.info("CARLA port %d: %d traffic lights, %d of %d light groups matched", self.port, len(lights),
-                     int((group_light >= 0).sum()), num_groups)
-
     def _read_lights(self) -> None:
-        """Colours of the mapped lights from the latest snapshot (the client reads them from the state stream)."""
-        if self._group_light is None:
-            self._map_lights()
-        if not self._light_used:
-            return
-        state, yellow = self._light_state.clone(), self._light_yellow.clone()
-        for i in self._light_used:
-            tl = self._light_actors[i]
-            code = int(tl.get_state())
-            state[i] = CARLA_LIGHT_STATE.get(code, 0)
-            yellow[i] = max(tl.get_yellow_time() - tl.get_elapsed_time(), 0.0) if code == 1 else 0.0
-        self._light_state, self._light_yellow = state, yellow
+        if self._light_src is None:
+            self._light_src = CarlaLights(self.world, self.cworld, self.device, self.ccfg.carla_lights,
+                                          f"CARLA port {self.port}")
+        self._light_src.read()
 
     def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
-        """CARLA's light colours for light groups [B, N]: (0 green / 1 yellow / 2 red, seconds of yellow left).
-
-        With ``carla_lights`` off, or a server without light actors, the simulator's cycle model; a group no CARLA
-        light matched counts as green (no light)."""
-        if self._group_light is None or not self._light_actors:
-            return super()._lights(s, group)
-        light = self._group_light[group.clamp(min=0)]
-        have = (group >= 0) & (light >= 0)
-        idx = light.clamp(min=0)
-        state = torch.where(have, self._light_state[idx], torch.zeros_like(idx))
-        yellow = torch.where(have, self._light_yellow[idx], torch.zeros_like(self._light_yellow[idx]))
-        return state, yellow
+        """CARLA's light colours for light groups [B, N] (see :class:`CarlaLights`); the simulator's cycle model when
+        ``carla_lights`` is off or the server has no light actors."""
+        out = self._light_src(group) if self._light_src is not None else None
+        return out if out is not None else super()._lights(s, group)
 
     def _arrays(self, snaps: list[Any], ids: list[int]) -> tuple[np.ndarray, ...]:
         tf = [x.get_transform() for x in snaps]
@@ -415,14 +439,12 @@ class CarlaWorker(SimEnv):
 
     # ------------------------------------------------------------------ the SimEnv hooks
     def _move_ego(self, s: SimState, action: Tensor) -> None:
-        steer = float(action[0, 0])
-        throttle = max(float(action[0, 1]), 0.0)
-        brake = max(-float(action[0, 1]), 0.0)
+        steer, throttle, brake = split_action(action[0])
         s.last_action = torch.tensor([[steer, throttle, brake]], device=self.device)
         if self._crashed:
             return
         try:
-            self._tracked.ego.apply_control(self.carla.VehicleControl(throttle=throttle, steer=-steer, brake=brake))
+            self._tracked.ego.apply_control(vehicle_control(self.carla, action[0]))
         except RuntimeError as e:
             self._mark_crash(e)
 
