@@ -72,7 +72,7 @@ def test_benchmarks_without_routes(tmp_path: Path, capsys: pytest.CaptureFixture
         evaluate(tmp_path / "a", "policy=expert", "benchmark.num_routes=0")
     with pytest.raises(EvalError, match=r"towns \['Town99'\] have no routes"):
         run(compose("eval", ["benchmark=longest6", "benchmark.towns=[Town99]", f"out_dir={tmp_path / 'b'}"]))
-    with pytest.raises(EvalError, match="val14.*not available yet"):
+    with pytest.raises(EvalError, match="val14.*none of the 1118 scenario tokens"):
         run(compose("eval", ["benchmark=val14", f"out_dir={tmp_path / 'c'}"]))
     empty = tmp_path / "empty.xml"
     empty.write_text("<routes></routes>")
