@@ -75,6 +75,7 @@ def test_train_survives_a_killed_server(tmp_path: Path) -> None:
                 os.killpg(int(f.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+    print("\n".join(line for line in out.splitlines() if line.startswith("update ")))  # figures, with pytest -s
     assert proc.returncode == 0, out[-4000:]
     assert "pid" in killed, "the server was never killed: " + out[-2000:]
     assert f"update {UPDATES}/{UPDATES}" in out, out[-3000:]  # every update ran
