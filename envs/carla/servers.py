@@ -53,13 +53,18 @@ class PortBlock:
         return (self.rpc, self.streaming, self.primary, self.tm)
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when nothing listens on ``port`` and it can be bound (bind test plus connect test)."""
+def port_free(port: int, host: str = "127.0.0.1", reuse: bool = False) -> bool:
+    """True when nothing listens on ``port`` and it can be bound (bind test plus connect test).
+
+    ``reuse``: bind with ``SO_REUSEADDR``, as CARLA's (boost.asio) and the stand-in's listeners do, so connections of
+    a killed server lingering in TIME_WAIT do not count; used when restarting a server on its own ports."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         if s.connect_ex((host, port)) == 0:
             return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("" if host in ("127.0.0.1", "localhost") else host, port))
         except OSError:
@@ -268,7 +273,7 @@ class CarlaServer:
         except (ProcessLookupError, PermissionError):
             pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not port_free(self.ports.rpc, self.host):
+        while time.monotonic() < deadline and not port_free(self.ports.rpc, self.host, reuse=True):
             time.sleep(0.1)
 
     def restart(self, timeout: float | None = None) -> str:
