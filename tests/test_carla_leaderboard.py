@@ -10,35 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from envs.carla.servers import CarlaServer, PortAllocator
 from envs.carla.testing import standin_executable
 from envs.maps.opendrive import default_maps_dir
+from test_export import tiny_checkpoint  # one tiny trainer checkpoint for every test
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None
 ROOT = Path(__file__).resolve().parents[1]
 needs_maps = pytest.mark.skipif(TOWN01 is None or not TOWN01.is_file(), reason="CARLA town maps not available")
-
-
-def tiny_checkpoint(path: Path) -> Path:
-    """A carl-train checkpoint of a small CarlPolicy on a 32 px BEV, written with the trainer's functions."""
-    from carl.checkpoint import atomic_save, make_checkpoint
-    from carl.config import TrainConfig
-    from carl.policy import CarlPolicy
-    from envs.api import TensorSpec
-
-    torch.manual_seed(0)
-    cfg = TrainConfig().to_dict()
-    cfg["env"]["options"] = {"bev_size": 32, "bev_ppm": 1.0, "bev_ego_from_bottom": 10}
-    cfg["model"].update(features_dim=32, hidden_dim=32, fusion_dim=64)
-    m = cfg["model"]
-    spec = {"bev": TensorSpec((10, 32, 32), torch.uint8), "measurements": TensorSpec((8,), torch.float32),
-            "value_measurements": TensorSpec((10,), torch.float32)}
-    policy = CarlPolicy(spec, 2, m["features_dim"], m["hidden_dim"], m["fusion_dim"], m["min_final_size"])
-    atomic_save(make_checkpoint(policy, torch.optim.Adam(policy.parameters()), 1, 1, policy.signature(), cfg), path)
-    return path
 
 
 def test_agent_config_and_plan(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from carl.evaluate import EvalError, compose, expand_shortcuts, run
+from test_export import tiny_checkpoint  # one tiny trainer checkpoint for every test
 
 pytestmark = pytest.mark.nuplan
 
@@ -62,27 +63,6 @@ def test_val14_without_matching_tokens_is_a_clear_error(dataset, tmp_path):
     split.write_text(yaml.safe_dump({"scenario_tokens": ["00000000deadbeef"]}))
     with pytest.raises(EvalError, match="none of the 1 scenario tokens"):
         run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'o'}", f"benchmark.options.split_yaml={split}"))
-
-
-def tiny_checkpoint(path):
-    """A carl-train checkpoint of a tiny CarlPolicy (32 px BEV), written with the trainer's own functions."""
-    import torch
-
-    from carl.checkpoint import atomic_save, make_checkpoint
-    from carl.config import TrainConfig
-    from carl.policy import CarlPolicy
-    from envs.api import TensorSpec
-
-    torch.manual_seed(0)
-    cfg = TrainConfig().to_dict()
-    cfg["env"]["options"] = {"bev_size": 32, "bev_ppm": 1.0, "bev_ego_from_bottom": 10}
-    cfg["model"].update(features_dim=32, hidden_dim=32, fusion_dim=64)
-    m = cfg["model"]
-    spec = {"bev": TensorSpec((10, 32, 32), torch.uint8), "measurements": TensorSpec((8,), torch.float32),
-            "value_measurements": TensorSpec((10,), torch.float32)}
-    policy = CarlPolicy(spec, 2, m["features_dim"], m["hidden_dim"], m["fusion_dim"], m["min_final_size"])
-    atomic_save(make_checkpoint(policy, torch.optim.Adam(policy.parameters()), 3, 48, policy.signature(), cfg), path)
-    return path
 
 
 def test_val14_with_a_checkpoint(dataset, tmp_path):
