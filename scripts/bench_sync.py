@@ -19,6 +19,11 @@ addresses (10.231.0.1/2) are used. Where namespaces cannot be made the shaped ru
 
     python scripts/bench_sync.py --no-netns
     sudo python scripts/bench_sync.py --bandwidth 100 1000
+    python scripts/bench_sync.py --learn --methods allreduce powersgd lgreco   # ~10 min per method on 2 cores
+
+``--learn`` trains the quick preset with 2 ranks (torchrun, 16 envs per rank: the single-process batch of 2048) once
+per method and prints its final evaluation (``eval/final.json``) as ``{"method", "driving_score",
+"route_completion", ...}``; the bar is the same evaluation bar as ``allreduce``.
 """
 from __future__ import annotations
 
@@ -160,6 +165,33 @@ def run_ranks(args: argparse.Namespace, bandwidth: int | None, timeout: float) -
                 p.wait()
 
 
+def learn(args: argparse.Namespace) -> int:
+    """Train the quick preset once per method with 2 ranks; print each run's final evaluation as a JSON line."""
+    import tempfile
+
+    root = Path(args.learn_dir or tempfile.mkdtemp(prefix="bench_sync_learn_"))
+    code = 0
+    for method in args.methods:
+        run_dir = root / f"quick-{method}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "carl.train",
+               "+experiment=quick", "parallel=ddp", f"parallel.sync={method}", "env.num_envs=16",
+               "parallel.torch_threads=1", "logging.progress_bar=false", f"run_dir={run_dir}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+        final = run_dir / "eval" / "final.json"
+        if proc.returncode != 0 or not final.is_file():
+            print(f"bench_sync --learn: {method} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+            code = 1
+            continue
+        result = json.loads(final.read_text())
+        print(json.dumps({"method": method, "learn": True, "world_size": 2,
+                          "driving_score": round(result["driving_score"], 2),
+                          "route_completion": round(result["route_completion"], 2),
+                          "infraction_score": round(result["infraction_score"], 3), "episodes": result["episodes"],
+                          "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}), flush=True)
+    return code
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
@@ -175,6 +207,8 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per (bandwidth) run")
+    ap.add_argument("--learn", action="store_true", help="train the quick preset per method; print final evaluations")
+    ap.add_argument("--learn-dir", help="where --learn puts its runs (default: a new temporary folder)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-mbit", default="none", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,6 +216,8 @@ def main() -> None:
         args.bandwidth_mbit = None if args.bandwidth_mbit == "none" else int(args.bandwidth_mbit)
         worker(args)
         return
+    if args.learn:
+        sys.exit(learn(args))
     if args.no_netns:
         sys.exit(run_ranks(args, None, args.timeout))
     code = 0
