@@ -183,7 +183,6 @@ def test_vector_env_survives_a_server_crash(tmp_path: Path, traffic: int) -> Non
             r = env.step(act)
             assert r.info["carla/crash"].item() == 0.0
         assert r.obs["measurements"][0, 4] > 0.5  # the ego drives
-        assert int(r.obs["bev"][0, 3].count_nonzero()) >= 0
         os.killpg(env.server_pids[0], signal.SIGKILL)  # the server crashes mid-episode
         r = env.step(act)
         assert r.info["carla/crash"].item() == 1.0 and r.truncated.item() and r.info["done"].item()
