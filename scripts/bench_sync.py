@@ -22,8 +22,9 @@ addresses (10.231.0.1/2) are used. Where namespaces cannot be made the shaped ru
     python scripts/bench_sync.py --learn --methods allreduce powersgd lgreco   # ~10 min per method on 2 cores
 
 ``--learn`` trains the quick preset with 2 ranks (torchrun, 16 envs per rank: the single-process batch of 2048) once
-per method and prints its final evaluation (``eval/final.json``) as ``{"method", "driving_score",
-"route_completion", ...}``; the bar is the same evaluation bar as ``allreduce``.
+per method and seed (``--seeds 1 2 3``) and prints each final evaluation (``eval/final.json``) as ``{"method", "seed",
+"driving_score", "route_completion", ...}``, then a ``mean_driving_score`` line per method when there are several
+seeds (one seed's score moves by ~10 points from seed to seed); the bar is the same evaluation bar as ``allreduce``.
 """
 from __future__ import annotations
 
@@ -166,29 +167,40 @@ def run_ranks(args: argparse.Namespace, bandwidth: int | None, timeout: float) -
 
 
 def learn(args: argparse.Namespace) -> int:
-    """Train the quick preset once per method with 2 ranks; print each run's final evaluation as a JSON line."""
+    """Train the quick preset per method and seed with 2 ranks; print each final evaluation, then per-method means."""
     import tempfile
 
     root = Path(args.learn_dir or tempfile.mkdtemp(prefix="bench_sync_learn_"))
     code = 0
     for method in args.methods:
-        run_dir = root / f"quick-{method}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "carl.train",
-               "+experiment=quick", "parallel=ddp", f"parallel.sync={method}", "env.num_envs=16",
-               "parallel.torch_threads=1", "logging.progress_bar=false", f"run_dir={run_dir}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-        final = run_dir / "eval" / "final.json"
-        if proc.returncode != 0 or not final.is_file():
-            print(f"bench_sync --learn: {method} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
-            code = 1
-            continue
-        result = json.loads(final.read_text())
-        print(json.dumps({"method": method, "learn": True, "world_size": 2,
-                          "driving_score": round(result["driving_score"], 2),
-                          "route_completion": round(result["route_completion"], 2),
-                          "infraction_score": round(result["infraction_score"], 3), "episodes": result["episodes"],
-                          "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}), flush=True)
+        scores = []
+        for seed in args.seeds:
+            run_dir = root / f"quick-{method}-seed{seed}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                   "carl.train", "+experiment=quick", "parallel=ddp", f"parallel.sync={method}", "env.num_envs=16",
+                   f"seed={seed}", "parallel.torch_threads=1", "logging.progress_bar=false", f"run_dir={run_dir}",
+                   *args.overrides]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+            final = run_dir / "eval" / "final.json"
+            if proc.returncode != 0 or not final.is_file():
+                print(f"bench_sync --learn: {method} seed {seed} failed (exit {proc.returncode}):\n"
+                      f"{proc.stderr[-2000:]}", file=sys.stderr)
+                code = 1
+                continue
+            result = json.loads(final.read_text())
+            scores.append((result["driving_score"], result["route_completion"]))
+            print(json.dumps({"method": method, "learn": True, "seed": seed, "world_size": 2,
+                              "driving_score": round(result["driving_score"], 2),
+                              "route_completion": round(result["route_completion"], 2),
+                              "infraction_score": round(result["infraction_score"], 3),
+                              "episodes": result["episodes"], "seconds": round(time.perf_counter() - t0, 1),
+                              "overrides": args.overrides, "run_dir": str(run_dir)}), flush=True)
+        if len(scores) > 1:
+            ds, rc = (sum(x) / len(scores) for x in zip(*scores))
+            print(json.dumps({"method": method, "learn": True, "seeds": len(scores), "mean_driving_score": round(ds, 2),
+                              "mean_route_completion": round(rc, 2), "min_driving_score": round(min(s[0] for s in scores), 2),
+                              "overrides": args.overrides}), flush=True)
     return code
 
 
@@ -209,6 +221,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per (bandwidth) run")
     ap.add_argument("--learn", action="store_true", help="train the quick preset per method; print final evaluations")
     ap.add_argument("--learn-dir", help="where --learn puts its runs (default: a new temporary folder)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1], help="--learn: one run per seed; means when several")
+    ap.add_argument("--overrides", nargs="*", default=[], help="--learn: extra Hydra overrides for every run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-mbit", default="none", help=argparse.SUPPRESS)
     args = ap.parse_args()
