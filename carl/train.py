@@ -283,6 +283,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
             ckpt_lib.restore_rng(own["rng"])
             assert sync is not None
             sync.load_state_dict(ck["extra"].get("sync", {}))
+            sync.load_rank_state_dict(own.get("sync", {}))  # error-feedback residuals
         else:
             env.load_state_dict(ck["env"])
         start_update, global_step = ck["update"], ck["global_step"]
@@ -299,7 +300,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     # with several ranks, a stop is agreed on at update boundaries (all ranks stop at the same update)
     should_stop = (lambda: False) if ctx.distributed else stop
     bar = ProgressBar(cfg.ppo.total_timesteps, cfg.logging.progress_bar and ctx.is_main)
-    rank_states: list[dict[str, Any]] = []  # every rank's env and RNG state, gathered before checkpoints
+    rank_states: list[dict[str, Any]] = []  # every rank's env, RNG and sync state, gathered on rank 0 for checkpoints
     video = VideoRecorder(cfg.logging.video_max_frames)
     eval_seed = cfg.seed + 1_000_003
 
@@ -386,7 +387,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
             if (update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates
                     or (cfg.logging.checkpoint_every and update % cfg.logging.checkpoint_every == 0)
                     or (cfg.logging.eval_every and update % cfg.logging.eval_every == 0)):
-                rank_states = ctx.gather_objects({"env": env.state_dict(), "rng": ckpt_lib.capture_rng()},
+                rank_states = ctx.gather_to_main({"env": env.state_dict(), "rng": ckpt_lib.capture_rng(),
+                                                  "sync": sync.rank_state_dict() if sync is not None else {}},
                                                  "checkpoint state")
         if update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates:
             save("last.pt", update)

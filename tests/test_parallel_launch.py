@@ -40,6 +40,9 @@ def test_torchrun_train_resume_and_world_size_check(tmp_path: Path) -> None:
     assert first.stdout.count("update 2/2") == 1  # only rank 0 prints
     ck = torch.load(run_dir / "last.pt", weights_only=False)
     assert ck["extra"]["world_size"] == 2 and len(ck["extra"]["ranks"]) == 2 and ck["global_step"] == 64
+    errors = [r["sync"]["error"] for r in ck["extra"]["ranks"]]  # each rank's own error-feedback residuals
+    assert errors[0] and errors[0].keys() == errors[1].keys() and ck["extra"]["sync"]["step"] == 8
+    assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0])
 
     resumed = torchrun([f"resume={run_dir}", "ppo.total_timesteps=128"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -57,7 +57,21 @@ class SyncMethod:
         return self.stats.pop()
 
     def state_dict(self) -> dict:
+        """State identical on every rank (saved once, by rank 0)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def rank_state_dict(self) -> dict:
+        """State that differs between ranks (error-feedback residuals): saved once per rank, on CPU."""
+        return {}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        pass
+
+
+def tensors_to(state: dict, device: torch.device | str) -> dict:
+    """``state`` with every tensor value (also inside nested dicts) moved to ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else tensors_to(v, device) if isinstance(v, dict) else v
+            for k, v in state.items()}

@@ -114,6 +114,15 @@ class DistContext:
             dist.all_gather_object(out, obj)
         return out
 
+    def gather_to_main(self, obj: Any, op: str = "gather") -> list[Any]:
+        """Every rank's ``obj`` in rank order on rank 0 (other ranks get ``[]``): for checkpoint state."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        with self.guard(op):
+            dist.gather_object(obj, out, dst=0)
+        return out or []
+
     def any(self, flag: bool, op: str = "stop flag") -> bool:
         """True on every rank if ``flag`` is true on any rank (used to stop all ranks at the same update)."""
         if not self.distributed:

@@ -126,7 +126,9 @@ class PowerSGDSync(DDPSync):
 
     On gloo the hook is only correct with one DDP bucket (its chained P/Q all-reduces race across buckets and gloo
     aborts with a "collective mismatch"), so the bucket cap is raised above the model size; an explicit smaller
-    ``parallel.bucket_cap_mb`` is refused.
+    ``parallel.bucket_cap_mb`` is refused. Its residuals are keyed by DDP bucket index, which changes when DDP
+    rebuilds buckets, so a resumed run restarts this hook's warm-up and error feedback (the default layerwise
+    implementation keys them by parameter name and restores them).
     """
 
     name = "powersgd"

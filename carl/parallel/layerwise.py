@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from carl.parallel.accounting import SyncStats
+from carl.parallel.base import tensors_to
 from carl.parallel.context import DistContext
 from carl.parallel.hooks import DDPSync
 
@@ -53,6 +54,21 @@ class LayerwiseReducer:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(out, tensor, group=self.group)
         return out
+
+    # -- checkpoint state (tensors on CPU; see SyncMethod.state_dict / rank_state_dict) ------------------------------
+    def state_dict(self) -> dict:
+        """Identical on every rank: the step counter (subclasses add warm starts and plans)."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: error-feedback residuals (subclasses)."""
+        return {}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        pass
 
     # -- to override -----------------------------------------------------------------------------------------------
     def compressible(self, name: str, grad: torch.Tensor) -> bool:
@@ -126,3 +142,19 @@ class LayerwiseSync(DDPSync):
         self.reducer = self._make_reducer(self.stats)
         names = {p: n for n, p in self.policy.named_parameters()}
         self.actor.register_comm_hook(None, layerwise_hook(self.reducer, names, self.stats))
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def state_dict(self) -> dict:
+        return tensors_to(self.reducer.state_dict(), "cpu")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(tensors_to(state, self._device))
+
+    def rank_state_dict(self) -> dict:
+        return tensors_to(self.reducer.rank_state_dict(), "cpu")
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.reducer.load_rank_state_dict(tensors_to(state, self._device))

@@ -114,6 +114,20 @@ class LGreCoReducer(LowRankReducer):
         self.replans = 0
         self.last_plan_bytes: tuple[int, int] = (0, 0)  # (planned, uniform) elements per step
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "replans": self.replans}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.replans = int(state.get("replans", 0))
+
+    def rank_state_dict(self) -> dict:
+        return {**super().rank_state_dict(), "acc": dict(self.acc)}  # acc: the re-plan window (rank 0 only)
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        super().load_rank_state_dict(state)
+        self.acc = dict(state.get("acc", {}))
+
     @property
     def _phase(self) -> int:
         return (self.step - self.start_step) % self.every

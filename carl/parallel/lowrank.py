@@ -51,6 +51,19 @@ class LowRankReducer(LayerwiseReducer):
         self.q: dict[str, torch.Tensor] = {}
         self.error: dict[str, torch.Tensor] = {}
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "q": dict(self.q), "plan": dict(self.plan)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.q, self.plan = dict(state.get("q", {})), dict(state.get("plan", {}))
+
+    def rank_state_dict(self) -> dict:
+        return {"error": dict(self.error)}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.error = dict(state.get("error", {}))
+
     def compressible(self, name: str, grad: torch.Tensor) -> bool:
         if grad.dim() < 2:
             return False

@@ -28,6 +28,12 @@ class TopKReducer(LayerwiseReducer):
         self.ratio, self.min_numel = ratio, min_numel
         self.error: dict[str, torch.Tensor] = {}
 
+    def rank_state_dict(self) -> dict:
+        return {"error": dict(self.error)}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.error = dict(state.get("error", {}))
+
     def k_for(self, numel: int) -> int:
         return max(1, math.ceil(self.ratio * numel))
 
