@@ -89,6 +89,9 @@ class ParallelConfig:
     lgreco_acc_steps: int = 10  # steps averaged before each re-plan
     lgreco_alpha: float = 1.0  # error budget = alpha * error of the uniform rank
     topk_ratio: float = 0.01  # fraction of each layer's entries sent
+    # exact fp32 all-reduce inside a node, the compression method only between nodes (powersgd/lgreco/topk)
+    hierarchical: bool = False
+    node_size: int = 0  # ranks per node for `hierarchical`; 0 = torchrun's LOCAL_WORLD_SIZE
     local_steps: int = 8  # localsgd: optimiser steps between outer steps
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
@@ -262,6 +265,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(par.sync in syncs, f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(syncs)}")
     _require(par.powersgd_impl in ("layerwise", "torch"),
              f"parallel.powersgd_impl={par.powersgd_impl!r} must be layerwise or torch")
+    hier = ("powersgd", "lgreco", "topk")
+    _require(not par.hierarchical or (par.sync in hier and par.powersgd_impl == "layerwise"),
+             f"parallel.hierarchical=true compresses between nodes with parallel.sync in {'/'.join(hier)} "
+             f"(powersgd_impl=layerwise); it cannot wrap parallel.sync={par.sync!r}"
+             + (f" with powersgd_impl={par.powersgd_impl}" if par.sync == "powersgd" else ""))
+    _require(par.node_size >= 0, f"parallel.node_size={par.node_size} must be >= 0 (0 = torchrun's LOCAL_WORLD_SIZE)")
     _require(par.backend in ("auto", "gloo", "nccl"), f"parallel.backend={par.backend!r} must be auto, gloo or nccl")
     _require(par.timeout_s > 0, f"parallel.timeout_s={par.timeout_s} must be > 0, e.g. parallel.timeout_s=600")
     _require(par.bucket_cap_mb >= 0, f"parallel.bucket_cap_mb={par.bucket_cap_mb} must be >= 0 (0 = default)")

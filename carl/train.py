@@ -267,7 +267,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
                          ctx=ctx if ctx.distributed else None)
     batch = cfg.batch_size * ctx.world_size  # samples per update, all ranks together
     num_updates = max(1, cfg.ppo.total_timesteps // batch)
-    ranks = f" | {ctx.world_size} ranks ({ctx.backend}, sync {cfg.parallel.sync})" if ctx.distributed else ""
+    how = cfg.parallel.sync
+    if cfg.parallel.hierarchical:
+        node = cfg.parallel.node_size or ctx.local_world_size
+        how += f" between {ctx.world_size // node} nodes of {node}, exact inside"
+    ranks = f" | {ctx.world_size} ranks ({ctx.backend}, sync {how})" if ctx.distributed else ""
     say(f"{describe(policy)} | device {device} | env {cfg.env.name} x{cfg.env.num_envs}{ranks} | "
         f"{num_updates} updates x {batch} samples (minibatch {cfg.ppo.minibatch_size}, {cfg.ppo.update_epochs} epochs)",
         flush=True)

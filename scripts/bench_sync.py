@@ -36,7 +36,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ["allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd"]
@@ -52,6 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
+    from carl.config import ParallelConfig
     from carl.parallel import init_distributed, make_sync
     from carl.policy import CarlPolicy
     from envs.api import TensorSpec
@@ -70,11 +70,8 @@ def worker(args: argparse.Namespace) -> None:
     for method in args.methods:
         torch.manual_seed(0)
         policy = CarlPolicy(spec, 2)
-        par = SimpleNamespace(sync=method, bucket_cap_mb=0.0, powersgd_rank=args.rank, powersgd_start_iter=2,
-                              powersgd_impl=args.powersgd_impl,
-                              lgreco_every=4, lgreco_acc_steps=2, lgreco_alpha=1.0, topk_ratio=args.topk_ratio,
-                              local_steps=args.local_steps, outer_lr=1.0, outer_momentum=0.0,
-                              staleness_penalty=1.0, outer_clip=0.0)
+        par = ParallelConfig(sync=method, powersgd_rank=args.rank, powersgd_impl=args.powersgd_impl, lgreco_every=4,
+                             lgreco_acc_steps=2, topk_ratio=args.topk_ratio, local_steps=args.local_steps)
         sync = make_sync(policy, ctx, par)
         opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
         times = []

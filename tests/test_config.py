@@ -44,6 +44,8 @@ def test_bad_type_is_named() -> None:
         ("ppo.clip_coef=0", r"ppo\.clip_coef=0\.0 must be > 0"),
         ("ppo.gamma=1.5", r"ppo\.gamma=1\.5 must be in \[0, 1\]"),
         ("parallel.device=tpu", r"parallel\.device='tpu'"),
+        ("parallel.hierarchical=true", r"parallel\.hierarchical=true .* cannot wrap parallel\.sync='allreduce'"),
+        ("parallel.node_size=-2", r"parallel\.node_size=-2 must be >= 0"),
     ],
 )
 def test_bad_range_is_named(override: str, pattern: str) -> None:

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from carl.config import ParallelConfig
 from carl.parallel.accounting import SyncStats
 from carl.parallel.lgreco import LGreCoReducer, candidate_ranks, plan_ranks, rank_errors
 from carl.parallel.lowrank import LowRankReducer
@@ -97,13 +97,10 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _par(**kw) -> SimpleNamespace:
-    base = dict(sync="allreduce", bucket_cap_mb=0.0, powersgd_rank=2, powersgd_start_iter=2, powersgd_impl="layerwise",
-                lgreco_every=3,
-                lgreco_acc_steps=2, lgreco_alpha=1.0, topk_ratio=0.05, local_steps=2, outer_lr=1.0,
+def _par(**kw) -> ParallelConfig:
+    base = dict(powersgd_rank=2, lgreco_every=3, lgreco_acc_steps=2, topk_ratio=0.05, local_steps=2,
                 outer_momentum=0.5, staleness_penalty=2.0, outer_clip=10.0)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return ParallelConfig(**{**base, **kw})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -208,6 +205,59 @@ def worker_equivalence(out_dir: str) -> None:
     ctx.shutdown()
 
 
+def worker_hierarchical(out_dir: str) -> None:
+    """4 ranks as 2 nodes x 2: replicas identical, bytes split by link, error feedback conserved across nodes."""
+    import torch.distributed as dist
+
+    from carl.parallel import make_sync
+    from carl.parallel.hierarchy import node_groups
+
+    ctx, _ = _init()
+    result: dict = {}
+    for method in ("powersgd", "lgreco", "topk"):
+        policy, env = _tiny_policy()
+        sync = make_sync(policy, ctx, _par(sync=method, hierarchical=True, node_size=2))
+        opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(100 + ctx.rank)
+        for _ in range(7):
+            out = sync.act(_obs(env, 4, gen), torch.rand(4, 2, generator=gen) * 1.8 - 0.9)
+            opt.zero_grad(set_to_none=True)
+            (-out.log_prob.mean() + out.value.pow(2).mean()).backward()
+            opt.step()
+            sync.after_step()
+        flat = _flat(policy)
+        gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, flat)
+        stats = sync.pop_stats()
+        result[method] = {"max_diff": max(float((g - gathered[0]).abs().max()) for g in gathered),
+                          "ratio": stats["sync/compression_ratio"], "intra": stats["sync/intra_node_bytes_per_update"],
+                          "inter": stats["sync/bytes_per_update"], "fp32": 4.0 * flat.numel() * stats["sync/steps"]}
+
+    # error feedback across nodes: sum_t applied_t + mean_nodes(residual_T) == sum_t mean_ranks(grad_t)
+    intra, inter = node_groups(ctx, 2)
+    result["groups"] = [dist.get_process_group_ranks(intra), dist.get_process_group_ranks(inter)]
+    reducer = TopKReducer(SyncStats(), 0.05, start_step=0)
+    reducer.group = inter
+    gen = torch.Generator().manual_seed(7 + ctx.rank)
+    applied, grad_sum = torch.zeros(40, 30), torch.zeros(40, 30)
+    for _ in range(6):
+        g = torch.randn(40, 30, generator=gen)
+        mean_g = g.clone()
+        dist.all_reduce(mean_g)
+        grad_sum += mean_g / ctx.world_size
+        dist.all_reduce(g, group=intra)  # what the hook does before compressing: the exact node mean
+        g /= 2
+        reducer.reduce([("w", g)])
+        reducer.end_step()
+        applied += g
+    residual = reducer.error["w"].reshape(40, 30).clone()
+    dist.all_reduce(residual)  # every node's residual counted twice (two ranks per node)
+    result["ef"] = float((applied + residual / ctx.world_size - grad_sum).abs().max())
+    result["ef_without_residual"] = float((applied - grad_sum).abs().max())
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(result))
+    ctx.shutdown()
+
+
 def worker_peer_failure(out_dir: str) -> None:
     """Rank 1 dies (or hangs) before a collective; rank 0 must get a DistributedError naming it, in bounded time."""
     from carl.parallel import DistContext, DistributedError, init_distributed
@@ -257,6 +307,20 @@ def test_allreduce_two_ranks_match_one_rank_and_error_feedback(tmp_path: Path) -
             assert r[f"ef_{name}_without_residual"] > 1e-2, (name, r)  # compression did lose something per step
 
 
+def test_hierarchical_sync_on_two_nodes_of_two_ranks(tmp_path: Path) -> None:
+    results = spawn("worker_hierarchical", tmp_path, world=4, timeout=300)
+    for r in results:
+        for method in ("powersgd", "lgreco", "topk"):
+            m = r[method]
+            assert m["max_diff"] == 0.0, (method, m)
+            assert m["intra"] == m["fp32"], (method, m)  # exact fp32 all-reduce inside the node
+            assert m["inter"] < m["fp32"] / 2 and m["ratio"] > 2.0, (method, m)  # compressed between nodes
+        assert r["ef"] < 1e-4 and r["ef_without_residual"] > 1e-2, r
+    node_of = [[0, 1], [0, 1], [2, 3], [2, 3]]  # torchrun numbers ranks node by node
+    column_of = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["groups"] for r in results] == [[n, c] for n, c in zip(node_of, column_of)]
+
+
 @pytest.mark.parametrize("mode", ["dies", "hangs"])
 def test_dead_or_hanging_rank_gives_clear_error(tmp_path: Path, mode: str) -> None:
     start = time.time()
@@ -298,6 +362,14 @@ def test_error_feedback_state_survives_a_checkpoint(kind: str) -> None:
     expected = step(original, grads)
     assert all(torch.equal(a, b) for a, b in zip(expected, step(restored, grads)))
     assert not all(torch.allclose(a, b) for a, b in zip(expected, step(forgetful, grads)))
+
+
+def test_node_size_must_divide_the_world() -> None:
+    from carl.parallel import DistContext
+    from carl.parallel.hierarchy import node_groups
+
+    with pytest.raises(ValueError, match=r"parallel.node_size=3 must divide the world size 8"):
+        node_groups(DistContext(rank=0, world_size=8), 3)
 
 
 def test_lgreco_planner_finds_the_known_optimum() -> None:

@@ -2,7 +2,8 @@
 
 "Bytes sent" is the payload one rank hands to its collectives per optimiser step (the all-reduce input, or its
 share of an all-gather): the ``S`` of the usual ring cost model ``T ~ 2 (N-1)/N * S / bandwidth``. The
-compression ratio compares it with the fp32 all-reduce of the same gradient.
+compression ratio compares it with the fp32 all-reduce of the same gradient. With ``parallel.hierarchical`` these
+are the bytes between nodes; the exact all-reduce inside a node is counted apart (``sync/intra_node_bytes_*``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class SyncStats:
     def reset(self) -> None:
         self.bytes_sent = 0
         self.bytes_fp32 = 0
+        self.bytes_intra = 0
         self.seconds = 0.0
         self.steps = 0
 
@@ -27,6 +29,11 @@ class SyncStats:
             self.bytes_sent += int(bytes_sent)
             self.bytes_fp32 += int(bytes_fp32)
             self.seconds += seconds
+
+    def add_intra(self, bytes_sent: int) -> None:
+        """Bytes of the exact all-reduce inside a node (hierarchical sync)."""
+        with self._lock:
+            self.bytes_intra += int(bytes_sent)
 
     def add_time(self, seconds: float) -> None:
         with self._lock:
@@ -50,5 +57,7 @@ class SyncStats:
                 "sync/steps": float(self.steps),
                 "sync/seconds": self.seconds,
             }
+            if self.bytes_intra:
+                out["sync/intra_node_bytes_per_update"] = float(self.bytes_intra)
             self.reset()
             return out

@@ -34,8 +34,9 @@ class DistContext:
     """Rank, world size and device of this process, plus the collectives used outside the gradient sync."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, backend: str | None = None,
-                 timeout_s: float = 1800.0) -> None:
+                 timeout_s: float = 1800.0, local_world_size: int | None = None) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.local_world_size = local_world_size or world_size  # ranks on this node (torchrun: LOCAL_WORLD_SIZE)
         self.backend = backend  # None when single-process
         self.timeout_s = timeout_s
 
@@ -213,4 +214,5 @@ def init_distributed(device_request: str, backend: str = "auto", timeout_s: floa
     if not dist.is_initialized():
         dist.init_process_group(be, timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": device} if be == "nccl" else {}))
-    return DistContext(rank, world, local_rank, be, timeout_s), device
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return DistContext(rank, world, local_rank, be, timeout_s, local_world), device

@@ -113,12 +113,28 @@ class LayerwiseReducer:
         self.stats.step()
 
 
-def layerwise_hook(reducer: LayerwiseReducer, names: dict[nn.Parameter, str], stats: SyncStats) -> Callable:
-    """A DDP comm hook running ``reducer`` synchronously on the bucket's per-parameter gradient views."""
+def layerwise_hook(reducer: LayerwiseReducer, names: dict[nn.Parameter, str], stats: SyncStats,
+                   intra: dist.ProcessGroup | None = None, hierarchical: bool = False) -> Callable:
+    """A DDP comm hook running ``reducer`` synchronously on the bucket's per-parameter gradient views.
+
+    ``hierarchical``: the bucket is first averaged exactly over ``intra`` (this node; ``None`` for a one-rank
+    node), then ``reducer`` (whose group spans the nodes) runs on the node means; with a single node nothing crosses
+    a node boundary and the exact node mean is the result.
+    """
 
     def hook(state, bucket):  # DDP requires the name `bucket`; annotations must be real types or absent
         start = time.perf_counter()
-        reducer.reduce([(names[p], g) for p, g in zip(bucket.parameters(), bucket.gradients())])
+        if intra is not None:
+            buf = bucket.buffer()
+            dist.all_reduce(buf, group=intra)
+            buf.div_(dist.get_world_size(intra))
+            stats.add_intra(buf.numel() * buf.element_size())
+        if hierarchical and reducer.group is None:  # one node: done
+            stats.add(0, bucket.buffer().numel() * 4)
+            if bucket.is_last():
+                stats.step()
+        else:
+            reducer.reduce([(names[p], g) for p, g in zip(bucket.parameters(), bucket.gradients())])
         if bucket.is_last():
             reducer.end_step()
         stats.add_time(time.perf_counter() - start)
@@ -130,18 +146,29 @@ def layerwise_hook(reducer: LayerwiseReducer, names: dict[nn.Parameter, str], st
 
 
 class LayerwiseSync(DDPSync):
-    """DDP whose comm hook is a :class:`LayerwiseReducer` (``lgreco``, ``topk``)."""
+    """DDP whose comm hook is a :class:`LayerwiseReducer` (``powersgd``, ``lgreco``, ``topk``).
+
+    ``node_size`` > 0 makes it hierarchical (:mod:`carl.parallel.hierarchy`): exact inside nodes of that many ranks,
+    compressed between them.
+    """
 
     def __init__(self, policy: nn.Module, ctx: DistContext, make_reducer: Callable[[SyncStats], LayerwiseReducer],
-                 name: str, bucket_cap_mb: float = 0.0) -> None:
+                 name: str, bucket_cap_mb: float = 0.0, node_size: int = 0) -> None:
         self.name = name
         self._make_reducer = make_reducer
+        self.node_size = node_size
         super().__init__(policy, ctx, bucket_cap_mb)
 
     def register_hook(self) -> None:
         self.reducer = self._make_reducer(self.stats)
         names = {p: n for n, p in self.policy.named_parameters()}
-        self.actor.register_comm_hook(None, layerwise_hook(self.reducer, names, self.stats))
+        intra = None
+        if self.node_size:
+            from carl.parallel.hierarchy import node_groups
+
+            intra, self.reducer.group = node_groups(self.ctx, self.node_size)
+        hook = layerwise_hook(self.reducer, names, self.stats, intra, hierarchical=bool(self.node_size))
+        self.actor.register_comm_hook(None, hook)
 
     @property
     def _device(self) -> torch.device:

@@ -10,6 +10,8 @@
 | ``localsgd`` | parameters every ``local_steps`` steps, overlapped (CO2) | :mod:`carl.parallel.localsgd` |
 
 With one process :class:`~carl.parallel.base.SyncMethod` (no communication) is used whatever the method.
+``parallel.hierarchical=true`` (powersgd, lgreco, topk) all-reduces exactly inside each node and compresses only
+between nodes (:mod:`carl.parallel.hierarchy`).
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: c
     if not ctx.distributed:
         return SyncMethod(policy, ctx)
     cap = par.bucket_cap_mb
+    node_size = (par.node_size or ctx.local_world_size) if par.hierarchical else 0
+    layerwise = method in ("lgreco", "topk") or (method == "powersgd" and par.powersgd_impl == "layerwise")
+    if node_size and not layerwise:
+        raise ValueError(f"parallel.hierarchical=true needs parallel.sync=powersgd (layerwise), lgreco or topk, "
+                         f"not {method!r}")
     if method == "allreduce":
         return DDPSync(policy, ctx, cap)
     if method == "fp16":
@@ -46,12 +53,12 @@ def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: c
         if par.powersgd_impl == "torch":
             return PowerSGDSync(policy, ctx, par.powersgd_rank, par.powersgd_start_iter, cap)
         return LayerwiseSync(policy, ctx, lambda stats: LowRankReducer(
-            stats, par.powersgd_rank, start_step=max(2, par.powersgd_start_iter)), "powersgd", cap)
+            stats, par.powersgd_rank, start_step=max(2, par.powersgd_start_iter)), "powersgd", cap, node_size)
     if method == "lgreco":
         return LayerwiseSync(policy, ctx, lambda stats: LGreCoReducer(
             stats, par.powersgd_rank, par.lgreco_every, par.lgreco_acc_steps, par.lgreco_alpha,
-            start_step=max(2, par.powersgd_start_iter)), "lgreco", cap)
+            start_step=max(2, par.powersgd_start_iter)), "lgreco", cap, node_size)
     if method == "topk":
-        return LayerwiseSync(policy, ctx, lambda stats: TopKReducer(stats, par.topk_ratio), "topk", cap)
+        return LayerwiseSync(policy, ctx, lambda stats: TopKReducer(stats, par.topk_ratio), "topk", cap, node_size)
     return LocalSGDSync(policy, ctx, par.local_steps, par.outer_lr, par.outer_momentum, par.staleness_penalty,
                         par.outer_clip)
