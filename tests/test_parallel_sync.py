@@ -106,9 +106,27 @@ def _par(**kw) -> ParallelConfig:
 # ------------------------------------------------------------------------------------------------------------------
 # workers (run inside the spawned ranks)
 # ------------------------------------------------------------------------------------------------------------------
+def _train_and_gather(sync, policy, env, rank: int, steps: int = 7) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """Adam steps on this rank's own random data through ``sync``; then (own params, every rank's, sync stats)."""
+    import torch.distributed as dist
+
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        out = sync.act(_obs(env, 4, gen), torch.rand(4, 2, generator=gen) * 1.8 - 0.9)
+        opt.zero_grad(set_to_none=True)
+        (-out.log_prob.mean() + out.value.pow(2).mean()).backward()
+        opt.step()
+        sync.after_step()
+    sync.flush()
+    flat = _flat(policy)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return flat, gathered, sync.pop_stats()
+
+
 def worker_methods(out_dir: str) -> None:
     """Every method: several Adam steps on per-rank data, then the replicas' parameters must be identical."""
-    import torch.distributed as dist
 
     from carl.parallel import make_sync
 
@@ -117,22 +135,7 @@ def worker_methods(out_dir: str) -> None:
     for method in METHODS:
         policy, env = _tiny_policy()
         sync = make_sync(policy, ctx, _par(sync=method))
-        opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(100 + ctx.rank)
-        for _ in range(7):
-            obs = _obs(env, 4, gen)
-            action = torch.rand(4, 2, generator=gen) * 1.8 - 0.9
-            out = sync.act(obs, action)
-            loss = -out.log_prob.mean() + out.value.pow(2).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sync.after_step()
-        sync.flush()
-        flat = _flat(policy)
-        gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
-        dist.all_gather(gathered, flat)
-        stats = sync.pop_stats()
+        flat, gathered, stats = _train_and_gather(sync, policy, env, ctx.rank)
         result[method] = {"max_diff": float((gathered[0] - gathered[1]).abs().max()),
                           "ratio": stats.get("sync/compression_ratio", 0.0),
                           "moved": float((flat - _flat(_tiny_policy()[0])).abs().max())}
@@ -217,18 +220,7 @@ def worker_hierarchical(out_dir: str) -> None:
     for method in ("powersgd", "lgreco", "topk"):
         policy, env = _tiny_policy()
         sync = make_sync(policy, ctx, _par(sync=method, hierarchical=True, node_size=2))
-        opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(100 + ctx.rank)
-        for _ in range(7):
-            out = sync.act(_obs(env, 4, gen), torch.rand(4, 2, generator=gen) * 1.8 - 0.9)
-            opt.zero_grad(set_to_none=True)
-            (-out.log_prob.mean() + out.value.pow(2).mean()).backward()
-            opt.step()
-            sync.after_step()
-        flat = _flat(policy)
-        gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
-        dist.all_gather(gathered, flat)
-        stats = sync.pop_stats()
+        flat, gathered, stats = _train_and_gather(sync, policy, env, ctx.rank)
         result[method] = {"max_diff": max(float((g - gathered[0]).abs().max()) for g in gathered),
                           "ratio": stats["sync/compression_ratio"], "intra": stats["sync/intra_node_bytes_per_update"],
                           "inter": stats["sync/bytes_per_update"], "fp32": 4.0 * flat.numel() * stats["sync/steps"]}
