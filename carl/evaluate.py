@@ -113,12 +113,16 @@ def _repo_path(path: str) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass
 class RouteGroup:
-    """Routes driven together by one batched env (one row per route)."""
+    """Routes driven together by one batched env: row i drives route ``first_route + i`` of the env's routes."""
 
     name: str
     env: str
     options: dict[str, Any]
     num_routes: int
+
+    @property
+    def first_route(self) -> int:
+        return int(self.options.get("first_route", 0))
 
 
 @dataclass
@@ -141,10 +145,15 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
     options = dict(bcfg.get("options") or {})
     if name == "val14" or env == "nuplan":
         return resolve_val14(bcfg)
-    if env != "sim":
-        raise EvalError(f"benchmark={name}: env={env!r} is not supported by carl-eval yet (use env=sim)")
+    if env not in ("sim", "carla"):
+        raise EvalError(f"benchmark={name}: env={env!r} is not supported by carl-eval (use sim, carla or nuplan)")
     groups: list[RouteGroup] = []
     route_file = bcfg.get("route_file")
+    if env == "carla" and not route_file:
+        raise EvalError(f"benchmark={name}: env=carla needs a route_file (Leaderboard route XML)")
+    per_env = int(bcfg.get("parallel_routes") or 0)  # routes driven at once (CARLA: one server each); 0 = all
+    if per_env < 0:
+        raise EvalError(f"benchmark.parallel_routes={per_env} must be >= 1 (or null: every route of a town at once)")
     if route_file:
         from envs.routes import parse_leaderboard_xml
 
@@ -156,10 +165,16 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
         if unknown:
             raise EvalError(f"benchmark={name}: towns {unknown} have no routes in {path}; it has {towns}")
         limit = bcfg.get("routes_per_town")
+        town_key = "town" if env == "carla" else "map"
         for town in wanted:
             n = sum(1 for _, t, _ in routes if t == town)
             n = min(n, int(limit)) if limit else n
-            groups.append(RouteGroup(town, env, {**options, "map": town, "route_file": path, "num_routes": n}, n))
+            step = per_env or n
+            for first in range(0, n, step):
+                count = min(step, n - first)
+                label = town if count == n else f"{town}[{first}:{first + count}]"
+                groups.append(RouteGroup(label, env, {**options, town_key: town, "route_file": path,
+                                                      "first_route": first}, count))
     else:
         n = int(bcfg.get("num_routes", 0))
         if n > 0:
@@ -484,22 +499,25 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
     uninterrupted run; the loop stops as soon as the missing routes finished."""
     env = _make_env(group, group.num_routes, device, seed, policy.env_options())
     try:
-        names = list(getattr(env, "route_names", []))[: group.num_routes]
-        if len(names) < group.num_routes:
-            names += [f"{group.name}_{i}" for i in range(len(names), group.num_routes)]
-        pending = {i for i, n in enumerate(names) if n not in store.done}
+        known = list(getattr(env, "route_names", []))  # every route of the env, by route id
+
+        def name_of(rid: int) -> str:
+            return known[rid] if rid < len(known) else f"{group.name}_{rid}"
+
+        first = group.first_route
+        pending = {row for row in range(group.num_routes) if name_of(first + row) not in store.done}
         if not pending:
             return 0
-        lengths = getattr(getattr(env, "world", None), "route_len", None)
+        lengths = getattr(env, "route_lengths", None)
         act = policy.make(env, group.env)
         t0 = time.perf_counter()
         recorded = 0
 
         def record(row: int, ep: dict[str, float]) -> None:
             nonlocal recorded
-            rid = int(ep.get("episode/route_id", row))
+            rid = int(ep.get("episode/route_id", first + row))
             length = float(lengths[rid]) if lengths is not None else None
-            store.add(make_record(0, names[rid], ep, length, group.name, rid, time.perf_counter() - t0,
+            store.add(make_record(0, name_of(rid), ep, length, group.name, rid, time.perf_counter() - t0,
                                   float(group.options.get("dt", 0.1))))
             if "episode/nuplan_score" in ep:
                 store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.scenario_types[rid])
@@ -508,9 +526,9 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             recorded += 1
             rec = store.records[-1]
             if "nuplan" in rec:
-                log(f"  {names[rid]}: nuPlan score {100 * rec['nuplan']['score']:6.2f}  ({rec['nuplan']['scenario_type']})")
+                log(f"  {name_of(rid)}: nuPlan score {100 * rec['nuplan']['score']:6.2f}  ({rec['nuplan']['scenario_type']})")
                 return
-            log(f"  {names[rid]}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
+            log(f"  {name_of(rid)}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
                 f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
 
         run_first_episodes(env, act, max_steps, seed=seed, on_episode=record, rows=set(pending))
@@ -638,9 +656,10 @@ def record_worst(records: list[dict[str, Any]], bench: Benchmark, policy: Policy
     paths = []
     (out_dir / "videos").mkdir(parents=True, exist_ok=True)
     for r in worst:
-        group, idx = groups[r["carl"]["group"]], int(r["carl"]["route_index"])
+        group = groups[r["carl"]["group"]]
+        idx = int(r["carl"]["route_index"]) - group.first_route  # the row that drove it
         extra = {**policy.env_options(), "bev": True}
-        env = _make_env(group, idx + 1, device, seed, extra)  # rows 0..idx; row idx drives route idx
+        env = _make_env(group, idx + 1, device, seed, extra)  # rows 0..idx; row idx drives that route
         try:
             frames, stats = record_episode(env, policy.make(env, group.env), row=idx, max_steps=max_frames,
                                            scale=max(1, 256 // env.cfg.bev_size))  # frames >= 256 px
@@ -664,8 +683,8 @@ def record_worst(records: list[dict[str, Any]], bench: Benchmark, policy: Policy
 def evaluate_policy(policy: PolicySource, bench: Benchmark, out_dir: Path, device: torch.device, seed: int,
                     overwrite: bool, log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run (or resume) ``policy`` on ``bench`` into ``out_dir``; write results.json and summary.json."""
-    # towns / routes_per_town only select routes: a subset run may be extended later in the same folder
-    defining = {k: v for k, v in bench.config.items() if k not in ("towns", "routes_per_town")}
+    # towns / routes_per_town / parallel_routes only select or batch routes: a run may be extended in the same folder
+    defining = {k: v for k, v in bench.config.items() if k not in ("towns", "routes_per_town", "parallel_routes")}
     identity = {"policy": policy.identity, "benchmark": bench.name, "env": bench.env,
                 "benchmark_config": hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:16],
                 "seed": seed}

@@ -10,6 +10,7 @@ stacked into tensors on the trainer's device.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -36,12 +37,16 @@ def _to_numpy(d: dict[str, Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in d.items()}
 
 
-def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int) -> None:
-    """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests."""
+def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int,
+                 route_stride: int = 1) -> None:
+    """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests.
+
+    Worker i of N drives routes ``first_route + i``, ``+ N``, ... (``scfg.first_route`` is already shifted by i)."""
     from envs.carla.worker import CarlaWorker  # noqa: PLC0415 - imported in the child
 
     server = None
     env = None
+    expert = None
     try:
         if ccfg.launch:
             server = CarlaServer(resolve_executable(ccfg.executable), block, log_dir=__import__("pathlib").Path(
@@ -52,7 +57,9 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
             conn.send(("server", server.proc.pid))
             server.wait_ready()
         env = CarlaWorker(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
-        conn.send(("ready", {k: (v.shape, str(v.dtype), v.low, v.high) for k, v in env.observation_spec.items()}))
+        env.route_stride = route_stride
+        conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high) for k, v in env.observation_spec.items()},
+                             "route_names": env.route_names, "route_lengths": env.route_lengths}))
         while True:
             cmd, arg = conn.recv()
             if cmd == "reset":
@@ -63,6 +70,12 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
                                   _to_numpy(r.info))))
             elif cmd == "state":
                 conn.send(("ok", env.state_dict()))
+            elif cmd == "expert":  # the simulator's rule-based expert on this worker's mirrored state
+                if expert is None:
+                    from envs.sim.expert import Expert  # noqa: PLC0415 - only evaluation asks for it
+
+                    expert = Expert(env)
+                conn.send(("ok", expert().numpy()))
             elif cmd == "close":
                 break
     except (EOFError, KeyboardInterrupt):
@@ -106,18 +119,21 @@ class CarlaVectorEnv(BatchedEnv):
         try:
             for i in range(num_envs):
                 self._spawn(i)
-            specs = [self._await_ready(i) for i in range(num_envs)]
+            ready = [self._await_ready(i) for i in range(num_envs)]
         except BaseException:
             self.close()
             raise
         self.observation_spec = {k: TensorSpec(tuple(shape), getattr(torch, dtype.split(".")[-1]), low, high)
-                                 for k, (shape, dtype, low, high) in specs[0].items()}
+                                 for k, (shape, dtype, low, high) in ready[0]["spec"].items()}
+        self.route_names: list[str] = ready[0]["route_names"]  # every route of the town, by route id
+        self.route_lengths: list[float] = ready[0]["route_lengths"]
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, i: int) -> None:
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, self.scfg, self.blocks[i],
-                                                        self.seed + i), daemon=True, name=f"carla-worker-{i}")
+        scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i)
+        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i,
+                                                        self.num_envs), daemon=True, name=f"carla-worker-{i}")
         p.start()
         child.close()
         self.procs[i], self.conns[i], self.server_pids[i] = p, parent, None
@@ -168,6 +184,25 @@ class CarlaVectorEnv(BatchedEnv):
         for i, c in enumerate(self.conns):
             c.send(("reset", None if seed is None else seed + i))
         return self._stack([self._recv(i)[1] for i in range(self.num_envs)])
+
+    def expert_actions(self) -> Tensor:
+        """Every worker's rule-based expert action for its current state, ``[num_envs, 2]`` on ``device``."""
+        lost = (EOFError, ConnectionResetError, BrokenPipeError)  # a dead worker: brake; step() replaces it
+        asked = []
+        for c in self.conns:
+            try:
+                c.send(("expert", None))
+                asked.append(True)
+            except lost:
+                asked.append(False)
+        rows = []
+        for i in range(self.num_envs):
+            try:
+                rows.append(self._recv(i)[1] if asked[i] else None)
+            except lost:
+                rows.append(None)
+        stop = np.array([[0.0, -1.0]], np.float32)  # (steer, throttle/brake): full brake
+        return torch.as_tensor(np.concatenate([r if r is not None else stop for r in rows])).to(self.device)
 
     def step(self, action: Tensor) -> StepResult:
         action = torch.as_tensor(action, dtype=torch.float32)

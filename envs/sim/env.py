@@ -129,7 +129,8 @@ class SimEnv(BatchedEnv):
         self.num_pedestrians = max(1, cfg.num_pedestrians)
         self.num_statics = max(1, cfg.num_statics)
         self.ego_half = torch.tensor(cfg.ego_half_extent, device=self.device).expand(num_envs, 2)
-        self.next_route = torch.arange(num_envs, device=self.device) % self.world.num_routes
+        self.route_stride = num_envs  # rows advance by this many routes (CARLA workers: the number of workers)
+        self.next_route = self._first_routes()
         bev = (len(CHANNELS), cfg.bev_size, cfg.bev_size)
         self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
                                  OBS_MEASUREMENTS: TensorSpec((8,), torch.float32),
@@ -138,6 +139,9 @@ class SimEnv(BatchedEnv):
         self._steps = 0
 
     # ------------------------------------------------------------------ episode starts
+    def _first_routes(self) -> Tensor:
+        return (self.cfg.first_route + torch.arange(self.num_envs, device=self.device)) % self.world.num_routes
+
     def _pick_routes(self, rows: Tensor) -> Tensor:
         if self.cfg.route_split == "eval" or self.cfg.route_file:
             return self.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
@@ -178,13 +182,14 @@ class SimEnv(BatchedEnv):
         if seed is not None:
             self.seed = seed
             self.gen.manual_seed(seed)
-        self.next_route = torch.arange(self.num_envs, device=self.device) % self.world.num_routes
+        self.next_route = self._first_routes()
         self.state = self._initial_state(torch.arange(self.num_envs, device=self.device))
         self._advance_route_assignment(torch.ones(self.num_envs, dtype=torch.bool, device=self.device))
         return self._observe(self.state)
 
     def _advance_route_assignment(self, done: Tensor) -> None:
-        self.next_route = torch.where(done, (self.next_route + self.num_envs) % self.world.num_routes, self.next_route)
+        self.next_route = torch.where(done, (self.next_route + self.route_stride) % self.world.num_routes,
+                                      self.next_route)
 
     # ------------------------------------------------------------------ one step
     def step(self, action: Tensor) -> StepResult:
@@ -380,4 +385,9 @@ class SimEnv(BatchedEnv):
     @property
     def route_names(self) -> list[str]:
         return self.world.route_names
+
+    @property
+    def route_lengths(self) -> list[float]:
+        """Length in metres of every route of the world, by route id."""
+        return self.world.route_len.tolist()
 
