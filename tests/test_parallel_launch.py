@@ -63,3 +63,65 @@ def test_global_minibatch_must_split_evenly() -> None:
     with pytest.raises(ConfigError, match="accumulation_steps=4 must divide each rank's share"):
         check_world(cfg, 4)
     check_world(cfg, 2)
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """``{rank: pid}`` of torchrun's worker processes (children of ``parent`` with ``RANK`` in their environment)."""
+    out: dict[int, int] = {}
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = int(child)
+    return out
+
+
+@pytest.mark.parametrize("how", ["hangs", "dies"])
+def test_a_hung_or_killed_rank_stops_training_with_the_checkpoint_intact(tmp_path: Path, how: str) -> None:
+    """Rank 1 is frozen (SIGSTOP) or killed (SIGKILL) once a checkpoint exists: the run ends within a bounded time,
+    naming the failure, and last.pt still loads."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m",
+           "carl.train", *TINY, "ppo.total_timesteps=32000", "parallel.timeout_s=5", "logging.progress_bar=false",
+           f"run_dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run_dir / "last.pt").exists() and proc.poll() is None:
+            time.sleep(0.1)
+        assert (run_dir / "last.pt").exists(), "no checkpoint was written"
+        victim = _rank_pids(proc.pid)[1]
+        os.kill(victim, signal.SIGSTOP if how == "hangs" else signal.SIGKILL)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        waited = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0, out[-3000:]
+    if how == "hangs":  # rank 0 waits parallel.timeout_s, then names itself, the collective and the cause
+        assert "distributed error: rank 0/2" in out and "a peer rank died or hung" in out, out[-3000:]
+        assert "last.pt) is intact" in out
+    else:  # torchrun sees the dead worker and stops the job, naming the rank
+        assert "exitcode  : -9" in out and "rank      : 1" in out, out[-3000:]
+    assert waited < 60, waited
+    ck = torch.load(run_dir / "last.pt", weights_only=False)
+    assert ck["update"] >= 1 and len(ck["extra"]["ranks"]) == 2
