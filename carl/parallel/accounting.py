@@ -3,7 +3,8 @@
 "Bytes sent" is the payload one rank hands to its collectives per optimiser step (the all-reduce input, or its
 share of an all-gather): the ``S`` of the usual ring cost model ``T ~ 2 (N-1)/N * S / bandwidth``. The
 compression ratio compares it with the fp32 all-reduce of the same gradient. With ``parallel.hierarchical`` these
-are the bytes between nodes; the exact all-reduce inside a node is counted apart (``sync/intra_node_bytes_*``).
+are the bytes a node leader sends to the other nodes (other ranks send none and report no byte figures, so the
+logged mean over ranks is per node); the node's own all-reduce and broadcast are ``sync/intra_node_bytes_*``.
 """
 from __future__ import annotations
 
@@ -50,13 +51,13 @@ class SyncStats:
                 self.reset()
                 return {}
             steps = max(1, self.steps)
-            out = {
-                "sync/bytes_per_step": self.bytes_sent / steps,
-                "sync/bytes_per_update": float(self.bytes_sent),
-                "sync/compression_ratio": self.bytes_fp32 / self.bytes_sent if self.bytes_sent else 1.0,
-                "sync/steps": float(self.steps),
-                "sync/seconds": self.seconds,
-            }
+            out = {"sync/steps": float(self.steps), "sync/seconds": self.seconds}
+            if self.bytes_sent or not self.bytes_intra:  # hierarchical non-leaders send nothing between nodes
+                out.update({
+                    "sync/bytes_per_step": self.bytes_sent / steps,
+                    "sync/bytes_per_update": float(self.bytes_sent),
+                    "sync/compression_ratio": self.bytes_fp32 / self.bytes_sent if self.bytes_sent else 1.0,
+                })
             if self.bytes_intra:
                 out["sync/intra_node_bytes_per_update"] = float(self.bytes_intra)
             self.reset()

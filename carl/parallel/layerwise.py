@@ -22,6 +22,7 @@ from torch import nn
 from carl.parallel.accounting import SyncStats
 from carl.parallel.base import tensors_to
 from carl.parallel.context import DistContext
+from carl.parallel.hierarchy import NodeGroups, node_groups
 from carl.parallel.hooks import DDPSync
 
 NamedGrads = list[tuple[str, torch.Tensor]]
@@ -114,29 +115,29 @@ class LayerwiseReducer:
 
 
 def layerwise_hook(reducer: LayerwiseReducer, names: dict[nn.Parameter, str], stats: SyncStats,
-                   intra: dist.ProcessGroup | None = None, hierarchical: bool = False) -> Callable:
+                   nodes: NodeGroups | None = None) -> Callable:
     """A DDP comm hook running ``reducer`` synchronously on the bucket's per-parameter gradient views.
 
-    ``hierarchical``: the bucket is first averaged exactly over ``intra`` (this node; ``None`` for a one-rank
-    node), then ``reducer`` (whose group spans the nodes) runs on the node means; with a single node nothing crosses
-    a node boundary and the exact node mean is the result.
+    With ``nodes`` (hierarchical): the bucket is averaged exactly inside the node, the node leaders run ``reducer``
+    (its group: the leaders) on the node means, and each leader broadcasts the result inside its node.
     """
 
     def hook(state, bucket):  # DDP requires the name `bucket`; annotations must be real types or absent
         start = time.perf_counter()
-        if intra is not None:
-            buf = bucket.buffer()
-            dist.all_reduce(buf, group=intra)
-            buf.div_(dist.get_world_size(intra))
+        buf = bucket.buffer()
+        if nodes is not None and nodes.intra is not None:
+            dist.all_reduce(buf, group=nodes.intra)
+            buf.div_(dist.get_world_size(nodes.intra))
             stats.add_intra(buf.numel() * buf.element_size())
-        if hierarchical and reducer.group is None:  # one node: done
-            stats.add(0, bucket.buffer().numel() * 4)
-            if bucket.is_last():
-                stats.step()
-        else:
+        if nodes is None or nodes.leaders is not None:
             reducer.reduce([(names[p], g) for p, g in zip(bucket.parameters(), bucket.gradients())])
-        if bucket.is_last():
-            reducer.end_step()
+            if bucket.is_last():
+                reducer.end_step()
+        elif bucket.is_last():  # a node member, or a single node: nothing of this rank crosses a node boundary
+            stats.step()
+        if nodes is not None and nodes.intra is not None and nodes.nodes > 1:
+            dist.broadcast(buf, src=nodes.leader, group=nodes.intra)
+            stats.add_intra(buf.numel() * buf.element_size())
         stats.add_time(time.perf_counter() - start)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(bucket.buffer())
@@ -149,7 +150,7 @@ class LayerwiseSync(DDPSync):
     """DDP whose comm hook is a :class:`LayerwiseReducer` (``powersgd``, ``lgreco``, ``topk``).
 
     ``node_size`` > 0 makes it hierarchical (:mod:`carl.parallel.hierarchy`): exact inside nodes of that many ranks,
-    compressed between them.
+    compressed between the nodes' leaders.
     """
 
     def __init__(self, policy: nn.Module, ctx: DistContext, make_reducer: Callable[[SyncStats], LayerwiseReducer],
@@ -162,13 +163,11 @@ class LayerwiseSync(DDPSync):
     def register_hook(self) -> None:
         self.reducer = self._make_reducer(self.stats)
         names = {p: n for n, p in self.policy.named_parameters()}
-        intra = None
+        nodes = None
         if self.node_size:
-            from carl.parallel.hierarchy import node_groups
-
-            intra, self.reducer.group = node_groups(self.ctx, self.node_size)
-        hook = layerwise_hook(self.reducer, names, self.stats, intra, hierarchical=bool(self.node_size))
-        self.actor.register_comm_hook(None, hook)
+            nodes = node_groups(self.ctx, self.node_size)
+            self.reducer.group = nodes.leaders
+        self.actor.register_comm_hook(None, layerwise_hook(self.reducer, names, self.stats, nodes))
 
     @property
     def _device(self) -> torch.device:

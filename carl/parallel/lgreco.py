@@ -168,9 +168,9 @@ class LGreCoReducer(LowRankReducer):
 
     def replan(self) -> None:
         plan = self.make_plan(self.acc) if self.acc else None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and self.world_size > 1:  # over the reducer's group (global rank 0 is in it)
             box = [plan]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.group)
             plan = box[0]
         self.acc.clear()
         if not plan:
