@@ -70,8 +70,12 @@ def test_results_of_another_policy_are_not_overwritten(tmp_path: Path) -> None:
 def test_benchmarks_without_routes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(EvalError, match="has no routes"):
         evaluate(tmp_path / "a", "policy=expert", "benchmark.num_routes=0")
+    town01 = tmp_path / "town01.xml"
+    town01.write_text('<routes><route id="0" town="Town01"><waypoints><position x="1" y="2" z="0"/>'
+                      '<position x="50" y="2" z="0"/></waypoints></route></routes>')
     with pytest.raises(EvalError, match=r"towns \['Town99'\] have no routes"):
-        run(compose("eval", ["benchmark=longest6", "benchmark.towns=[Town99]", f"out_dir={tmp_path / 'b'}"]))
+        run(compose("eval", ["benchmark=longest6", f"benchmark.route_file={town01}", "benchmark.towns=[Town99]",
+                             f"out_dir={tmp_path / 'b'}"]))
     with pytest.raises(EvalError, match="val14.*none of the 1118 scenario tokens"):
         run(compose("eval", ["benchmark=val14", f"out_dir={tmp_path / 'c'}"]))
     empty = tmp_path / "empty.xml"

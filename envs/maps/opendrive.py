@@ -644,8 +644,8 @@ def load_town(town: str, maps_dir: str | Path | None = None, cache_dir: str | Pa
     """
     d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
     if d is None or not d.is_dir():
-        raise MapError(f"CARLA maps directory {d if d is not None else '(none)'} not found; set CARL_CARLA_MAPS "
-                       "or pass maps_dir")
+        raise MapError(f"town {town!r}: CARLA maps directory {d if d is not None else '(none)'} not found; set "
+                       "CARL_CARLA_MAPS to a folder of <Town>.xodr files or pass maps_dir")
     path = d / f"{town}.xodr"
     if not path.is_file():
         raise MapError(f"unknown town '{town}': no {path.name} in {d}; available: "
