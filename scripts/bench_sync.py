@@ -1,7 +1,9 @@
 """Gradient-sync benchmark: bytes and seconds per update for every ``parallel.sync`` method on CaRL's model.
 
 Two gloo ranks on this machine train CaRL's network (10x256x256 BEV, ~2M parameters) on random data; after a
-warm-up (PowerSGD starts at step 2, L-GreCo re-plans at steps 6 and 10) each method is timed over ``--steps`` updates.
+warm-up (PowerSGD starts at step 2) each method is timed over ``--steps`` updates. ``lgreco`` is timed after its first
+plan (step ``2 + --lgreco-every``) over one whole re-plan period, so its planning cost (SVDs on rank 0) is amortised
+as in training.
 One JSON line per (method, bandwidth)::
 
     {"method": "powersgd", "bandwidth_mbit": 100, "bytes_per_update": 98304, "compression_ratio": 81.0,
@@ -66,16 +68,20 @@ def worker(args: argparse.Namespace) -> None:
     obs = {"bev": torch.randint(0, 255, (n, 10, args.bev, args.bev), generator=gen).to(torch.uint8),
            "measurements": torch.randn(n, 8, generator=gen), "value_measurements": torch.randn(n, 10, generator=gen)}
     action = torch.rand(n, 2, generator=gen) * 1.8 - 0.9
-    warmup = 8  # PowerSGD starts at step 2, L-GreCo re-plans at step 6; localsgd rounds end at 8, 16, ...
     for method in args.methods:
         torch.manual_seed(0)
         policy = CarlPolicy(spec, 2)
-        par = ParallelConfig(sync=method, powersgd_rank=args.rank, powersgd_impl=args.powersgd_impl, lgreco_every=4,
-                             lgreco_acc_steps=2, topk_ratio=args.topk_ratio, local_steps=args.local_steps)
+        par = ParallelConfig(sync=method, powersgd_rank=args.rank, powersgd_impl=args.powersgd_impl,
+                             lgreco_every=args.lgreco_every, lgreco_acc_steps=min(10, args.lgreco_every),
+                             topk_ratio=args.topk_ratio, local_steps=args.local_steps)
         sync = make_sync(policy, ctx, par)
         opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
         times = []
-        steps = max(args.steps, args.local_steps) if method == "localsgd" else args.steps  # whole outer rounds
+        warmup, steps = 8, args.steps  # PowerSGD compresses from step 2
+        if method == "localsgd":
+            steps = max(steps, args.local_steps)  # whole outer rounds
+        if method == "lgreco":  # after the first plan (step 2 + every); one whole period, its re-plan amortised
+            warmup, steps = par.powersgd_start_iter + args.lgreco_every + 1, max(steps, args.lgreco_every)
         for step in range(warmup + steps):
             if step == warmup:
                 sync.pop_stats()
@@ -213,6 +219,8 @@ def main() -> None:
     ap.add_argument("--powersgd-impl", default="layerwise", choices=("layerwise", "torch"),
                     help="powersgd: per-layer near-square matrices (default) or torch's powerSGD_hook")
     ap.add_argument("--topk-ratio", type=float, default=0.01)
+    ap.add_argument("--lgreco-every", type=int, default=100,
+                    help="lgreco re-plan period (parallel.lgreco_every); lgreco is timed over one whole period")
     ap.add_argument("--local-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per (bandwidth) run")
