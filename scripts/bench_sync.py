@@ -73,7 +73,8 @@ def worker(args: argparse.Namespace) -> None:
         policy = CarlPolicy(spec, 2)
         par = ParallelConfig(sync=method, powersgd_rank=args.rank, powersgd_impl=args.powersgd_impl,
                              lgreco_every=args.lgreco_every, lgreco_acc_steps=min(10, args.lgreco_every),
-                             topk_ratio=args.topk_ratio, local_steps=args.local_steps)
+                             topk_ratio=args.topk_ratio, local_steps=args.local_steps,
+                             hierarchical=args.hierarchical, node_size=args.ranks_per_node if args.hierarchical else 0)
         sync = make_sync(policy, ctx, par)
         opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
         times = []
@@ -102,7 +103,11 @@ def worker(args: argparse.Namespace) -> None:
                "compression_ratio": round(stats.get("sync/compression_ratio", 0.0), 2),
                "update_s": round(sum(times) / len(times), 4),
                "sync_s": round(stats.get("sync/seconds", 0.0) / max(1, len(times)), 4),
-               "params": policy.num_params(), "world_size": ctx.world_size, "batch_per_rank": n}
+               "params": policy.num_params(), "world_size": ctx.world_size, "ranks_per_node": args.ranks_per_node,
+               "hierarchical": args.hierarchical, "batch_per_rank": n}
+        if "sync/intra_node_bytes_per_update" in stats:
+            row["intra_node_bytes_per_update"] = int(round(stats["sync/intra_node_bytes_per_update"]
+                                                           / max(1.0, stats["sync/steps"])))
         if ctx.is_main:
             print(json.dumps(row), flush=True)
     ctx.shutdown()
@@ -142,23 +147,29 @@ def remove_namespaces() -> None:
 
 
 def run_ranks(args: argparse.Namespace, bandwidth: int | None, timeout: float) -> int:
+    """Two "nodes" (namespaces, or loopback) of ``--ranks-per-node`` ranks each, numbered node by node."""
     port = free_port() if bandwidth is None else 29517
+    per_node = args.ranks_per_node
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    for rank in range(2 * per_node):
+        node = rank // per_node
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(2 * per_node),
+               "LOCAL_WORLD_SIZE": str(per_node), "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(args.threads),
+               "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--methods", *args.methods,
                "--steps", str(args.steps), "--batch", str(args.batch), "--bev", str(args.bev),
-               "--rank", str(args.rank), "--powersgd-impl", args.powersgd_impl, "--topk-ratio", str(args.topk_ratio), "--local-steps",
-               str(args.local_steps), "--threads", str(args.threads),
-               "--bandwidth-mbit", "none" if bandwidth is None else str(bandwidth)]
+               "--rank", str(args.rank), "--powersgd-impl", args.powersgd_impl, "--topk-ratio", str(args.topk_ratio),
+               "--local-steps", str(args.local_steps), "--lgreco-every", str(args.lgreco_every),
+               "--ranks-per-node", str(per_node), "--threads", str(args.threads),
+               "--bandwidth-mbit", "none" if bandwidth is None else str(bandwidth),
+               *(["--hierarchical"] if args.hierarchical else [])]
         if bandwidth is None:
             env["MASTER_ADDR"] = "127.0.0.1"
         else:
-            env.update(MASTER_ADDR=ADDR[0], GLOO_SOCKET_IFNAME=VETH[rank])
-            cmd = ["ip", "netns", "exec", NS[rank], "env", *[f"{k}={env[k]}" for k in
-                   ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
-                    "PYTHONPATH", "GLOO_SOCKET_IFNAME")], *cmd]
+            env.update(MASTER_ADDR=ADDR[0], GLOO_SOCKET_IFNAME=VETH[node])
+            cmd = ["ip", "netns", "exec", NS[node], "env", *[f"{k}={env[k]}" for k in
+                   ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "OMP_NUM_THREADS", "PYTHONPATH", "GLOO_SOCKET_IFNAME")], *cmd]
         procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
     try:
         return max(p.wait(timeout=timeout) for p in procs)
@@ -222,6 +233,10 @@ def main() -> None:
     ap.add_argument("--lgreco-every", type=int, default=100,
                     help="lgreco re-plan period (parallel.lgreco_every); lgreco is timed over one whole period")
     ap.add_argument("--local-steps", type=int, default=8)
+    ap.add_argument("--ranks-per-node", type=int, default=1,
+                    help="ranks in each of the 2 nodes (namespaces); bytes_per_update is rank 0's")
+    ap.add_argument("--hierarchical", action="store_true",
+                    help="parallel.hierarchical: exact inside a node, the method between node leaders")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per (bandwidth) run")
     ap.add_argument("--learn", action="store_true", help="train the quick preset per method; print final evaluations")
