@@ -98,6 +98,11 @@ class ParallelConfig:
     staleness_penalty: float = 1.0  # the one-round-stale average is divided by this
     outer_clip: float = 0.0  # clip the outer momentum to this norm; 0 = off
 
+    @property
+    def per_layer_compression(self) -> bool:
+        """A method run by our per-layer reducers (the only ones ``hierarchical`` can wrap)."""
+        return self.sync in ("lgreco", "topk") or (self.sync == "powersgd" and self.powersgd_impl == "layerwise")
+
 
 @dataclass
 class LoggingConfig:
@@ -265,9 +270,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(par.sync in syncs, f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(syncs)}")
     _require(par.powersgd_impl in ("layerwise", "torch"),
              f"parallel.powersgd_impl={par.powersgd_impl!r} must be layerwise or torch")
-    hier = ("powersgd", "lgreco", "topk")
-    _require(not par.hierarchical or (par.sync in hier and par.powersgd_impl == "layerwise"),
-             f"parallel.hierarchical=true compresses between nodes with parallel.sync in {'/'.join(hier)} "
+    _require(not par.hierarchical or par.per_layer_compression,
+             "parallel.hierarchical=true compresses between nodes with parallel.sync=lgreco, topk or powersgd "
              f"(powersgd_impl=layerwise); it cannot wrap parallel.sync={par.sync!r}"
              + (f" with powersgd_impl={par.powersgd_impl}" if par.sync == "powersgd" else ""))
     _require(par.node_size >= 0, f"parallel.node_size={par.node_size} must be >= 0 (0 = torchrun's LOCAL_WORLD_SIZE)")

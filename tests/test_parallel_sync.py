@@ -208,12 +208,32 @@ def worker_equivalence(out_dir: str) -> None:
     ctx.shutdown()
 
 
+class _OneTensorBucket:
+    """The part of DDP's ``GradBucket`` a comm hook reads, for one parameter whose gradient is ``grad``."""
+
+    def __init__(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        self.param, self.grad = param, grad
+
+    def buffer(self) -> torch.Tensor:
+        return self.grad.view(-1)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self.grad]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.param]
+
+    def is_last(self) -> bool:
+        return True
+
+
 def worker_hierarchical(out_dir: str) -> None:
     """4 ranks as 2 nodes x 2: replicas identical, bytes split by link, error feedback conserved across nodes."""
     import torch.distributed as dist
 
     from carl.parallel import make_sync
     from carl.parallel.hierarchy import node_groups
+    from carl.parallel.layerwise import layerwise_hook
 
     ctx, _ = _init()
     result: dict = {}
@@ -226,13 +246,16 @@ def worker_hierarchical(out_dir: str) -> None:
                           "intra": stats["sync/intra_node_bytes_per_update"],
                           "fp32": 4.0 * flat.numel() * stats["sync/steps"]}
 
-    # error feedback across nodes: sum_t applied_t + mean_nodes(leader residual_T) == sum_t mean_ranks(grad_t)
+    # error feedback across nodes through the hook itself:
+    # sum_t applied_t + mean_nodes(leader residual_T) == sum_t mean_ranks(grad_t)
     nodes = node_groups(ctx, 2)
     leads = nodes.leaders is not None
     result["groups"] = [dist.get_process_group_ranks(nodes.intra), nodes.leader, leads and
                         dist.get_process_group_ranks(nodes.leaders)]
     reducer = TopKReducer(SyncStats(), 0.05, start_step=0)
     reducer.group = nodes.leaders
+    weight = torch.nn.Parameter(torch.zeros(40, 30))
+    hook = layerwise_hook(reducer, {weight: "w"}, SyncStats(), nodes)
     gen = torch.Generator().manual_seed(7 + ctx.rank)
     applied, grad_sum = torch.zeros(40, 30), torch.zeros(40, 30)
     for _ in range(6):
@@ -240,12 +263,7 @@ def worker_hierarchical(out_dir: str) -> None:
         mean_g = g.clone()
         dist.all_reduce(mean_g)
         grad_sum += mean_g / ctx.world_size
-        dist.all_reduce(g, group=nodes.intra)  # the hook's steps: exact node mean, leaders compress, broadcast
-        g /= 2
-        if leads:
-            reducer.reduce([("w", g)])
-            reducer.end_step()
-        dist.broadcast(g, src=nodes.leader, group=nodes.intra)
+        hook(None, _OneTensorBucket(weight, g))
         applied += g
     residual = reducer.error["w"].reshape(40, 30).clone() if leads else torch.zeros(40, 30)
     dist.all_reduce(residual)  # the leaders' residuals, summed over the 2 nodes

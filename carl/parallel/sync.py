@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from carl.config import ParallelConfig
 from carl.parallel.base import SyncMethod
 from carl.parallel.context import DistContext
 from carl.parallel.hooks import CastSync, DDPSync, PowerSGDSync
@@ -30,7 +31,7 @@ from carl.parallel.topk import TopKReducer
 SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
 
 
-def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: carl.config.ParallelConfig
+def make_sync(policy: nn.Module, ctx: DistContext, par: ParallelConfig) -> SyncMethod:
     """Wrap ``policy`` for ``par.sync``; raise ``ValueError`` with the reason where the backend cannot run it."""
     method = par.sync
     if method not in SYNC_METHODS:
@@ -39,8 +40,7 @@ def make_sync(policy: nn.Module, ctx: DistContext, par) -> SyncMethod:  # par: c
         return SyncMethod(policy, ctx)
     cap = par.bucket_cap_mb
     node_size = (par.node_size or ctx.local_world_size) if par.hierarchical else 0
-    layerwise = method in ("lgreco", "topk") or (method == "powersgd" and par.powersgd_impl == "layerwise")
-    if node_size and not layerwise:
+    if node_size and not par.per_layer_compression:
         raise ValueError(f"parallel.hierarchical=true needs parallel.sync=powersgd (layerwise), lgreco or topk, "
                          f"not {method!r}")
     if method == "allreduce":

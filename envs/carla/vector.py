@@ -37,11 +37,8 @@ def _to_numpy(d: dict[str, Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in d.items()}
 
 
-def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int,
-                 route_stride: int = 1) -> None:
-    """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests.
-
-    Worker i of N drives routes ``first_route + i``, ``+ N``, ... (``scfg.first_route`` is already shifted by i)."""
+def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int) -> None:
+    """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests."""
     from envs.carla.worker import CarlaWorker  # noqa: PLC0415 - imported in the child
 
     server = None
@@ -57,7 +54,6 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
             conn.send(("server", server.proc.pid))
             server.wait_ready()
         env = CarlaWorker(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
-        env.route_stride = route_stride
         conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high) for k, v in env.observation_spec.items()},
                              "route_names": env.route_names, "route_lengths": env.route_lengths}))
         while True:
@@ -131,9 +127,10 @@ class CarlaVectorEnv(BatchedEnv):
     # ------------------------------------------------------------------ processes
     def _spawn(self, i: int) -> None:
         parent, child = self.ctx.Pipe()
-        scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i)
-        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i,
-                                                        self.num_envs), daemon=True, name=f"carla-worker-{i}")
+        # worker i of N drives routes first_route + i, + N, ...: the workers share a route file between them
+        scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i, route_stride=self.num_envs)
+        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i),
+                             daemon=True, name=f"carla-worker-{i}")
         p.start()
         child.close()
         self.procs[i], self.conns[i], self.server_pids[i] = p, parent, None

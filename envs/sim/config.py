@@ -27,6 +27,7 @@ class SimConfig:
     route_length: tuple[float, float] = (150.0, 400.0)
     num_routes: int = 512  # size of the random route bank
     first_route: int = 0  # route_file / eval split: row i starts with route first_route + i (a slice of the file)
+    route_stride: int = 0  # ... and then drives + stride, + 2 stride, ...; 0 = num_envs (CARLA workers: the worker count)
     map_ppm: float = 4.0  # resolution of the map raster (off-road, lane lookups, BEV source)
     cache_dir: str | None = None  # compiled map cache; default ~/.cache/carl/maps
     # --- actors (maximum per environment; padded tensors)
@@ -69,6 +70,7 @@ class SimConfig:
              "give (min, max) metres with 10 <= min <= max")
         need(self.num_routes >= 1, "num_routes", "must be >= 1")
         need(self.first_route >= 0, "first_route", "must be >= 0")
+        need(self.route_stride >= 0, "route_stride", "must be >= 0 (0 = num_envs)")
         need(self.map_ppm > 0 and self.bev_ppm > 0, "map_ppm", "pixels per metre must be > 0")
         for key in ("num_vehicles", "num_pedestrians", "num_statics"):
             need(getattr(self, key) >= 0, key, "must be >= 0")

@@ -129,7 +129,7 @@ class SimEnv(BatchedEnv):
         self.num_pedestrians = max(1, cfg.num_pedestrians)
         self.num_statics = max(1, cfg.num_statics)
         self.ego_half = torch.tensor(cfg.ego_half_extent, device=self.device).expand(num_envs, 2)
-        self.route_stride = num_envs  # rows advance by this many routes (CARLA workers: the number of workers)
+        self.route_stride = cfg.route_stride or num_envs  # rows advance by this many routes
         self.next_route = self._first_routes()
         bev = (len(CHANNELS), cfg.bev_size, cfg.bev_size)
         self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
