@@ -443,6 +443,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
             print(f"final evaluation on {cfg.logging.eval_episodes} held-out routes:\n{format_eval_table(results)}")
     tb.close()
     env.close()
+    # every rank leaves together: a rank tearing down its process group while rank 0 still evaluates, or while
+    # its last checkpoint-state gather is in flight, can abort gloo at exit ("terminate called ...")
+    ctx.barrier("end of training")
     say(f"run folder: {run_dir}  ({time.perf_counter() - t_begin:.0f}s)", flush=True)
     return 0
 
