@@ -143,14 +143,14 @@ class CarlaMirror(SimEnv):
         if self._started:
             s.t = s.t + cfg.dt
             s.steps = s.steps + 1
-            new_idx, _ = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
+            new_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
             self._stop_lines(s, s.route_idx, new_idx)
             s.route_idx, s.rc = new_idx, infractions.route_completion(w, s.route_id, new_idx)
             s.still_time = torch.where(s.ego_speed < cfg.blocked_speed, s.still_time + cfg.dt, torch.zeros_like(s.t))
             s.hist_speed = torch.cat((s.hist_speed[:, 1:], s.ego_speed.unsqueeze(1)), 1)
             s.hist_yaw = torch.cat((s.hist_yaw[:, 1:], s.ego_yaw.unsqueeze(1)), 1)
         else:  # the episode starts where the ego stands
-            s.route_idx, _ = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
+            s.route_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
             s.hist_yaw = s.ego_yaw.unsqueeze(1).repeat(1, s.hist_yaw.shape[1])
             self._started = True
         return self._observe(s)

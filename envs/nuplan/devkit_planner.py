@@ -127,7 +127,7 @@ class ObservationBuilder:
         s.ego_yaw, s.ego_speed, s.ego_accel, s.ego_steer = yaw, f([speed]), f([accel]), f([steer])
         la = np.asarray(last_action, np.float32).reshape(-1)
         s.last_action = f([[la[0], max(la[1], 0.0), max(-la[1], 0.0)]])
-        s.route_idx, _ = route_progress(env.world, s.route_id, s.route_idx, s.ego_xy)
+        s.route_idx = route_progress(env.world, s.route_id, s.route_idx, s.ego_xy)
         s.t = f([t])
 
         def boxes(a: np.ndarray) -> tuple[Tensor, ...]:
@@ -146,7 +146,8 @@ class ObservationBuilder:
         z = torch.zeros_like(a[..., 0])
         s.veh = Vehicles(lane=z.long(), s=z.clone(), speed=a[..., 5:7].norm(dim=-1), next_lane=z.long(), valid=v,
                          half=a[..., 3:5] / 2, v_factor=torch.ones_like(z), stopped_at_sign=torch.zeros_like(v),
-                         still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous())
+                         still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(),
+                        lights=torch.zeros_like(z, dtype=torch.int32))
         a, v = boxes(pedestrians)
         z = torch.zeros_like(a[..., 0])
         sp = a[..., 5:7].norm(dim=-1)

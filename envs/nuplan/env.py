@@ -36,6 +36,7 @@ from envs.sim.geometry import wrap_angle
 from envs.sim.world import build_world, lane_lookup
 from envs.reward import RewardState
 from envs.sim.geometry import boxes_overlap
+from envs.sim.criteria import CriteriaState
 from envs.sim.infractions import HARD, INFRACTIONS
 from envs.metrics import nuplan as M
 
@@ -309,7 +310,8 @@ class NuplanEnv(SimEnv):
         z = torch.zeros_like(a[..., 0])
         return Vehicles(lane=z.long(), s=z.clone(), speed=a[..., 5:7].norm(dim=-1), next_lane=z.long(), valid=v,
                         half=a[..., 3:5] / 2, v_factor=torch.ones_like(z), stopped_at_sign=torch.zeros_like(v),
-                        still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous())
+                        still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(),
+                        lights=torch.zeros_like(z, dtype=torch.int32))
 
     def _log_pedestrians(self, scenario: Tensor, frame: Tensor) -> Pedestrians:
         sc, f = self._frame(scenario, frame)
@@ -370,7 +372,9 @@ class NuplanEnv(SimEnv):
         zeros = torch.zeros(B, device=dev)
         light = torch.zeros(B, self.world.num_junctions + 1, device=dev)
         return NuplanState(
-            ego_xy=ego_xy, ego_yaw=yaw, ego_speed=e[:, 3].clamp(min=0.0), last_action=torch.zeros(B, 3, device=dev),
+            ego_xy=ego_xy, ego_yaw=yaw, ego_speed=e[:, 3].clamp(min=0.0),
+            ego_vel_local=torch.stack((e[:, 3].clamp(min=0.0), zeros), -1), gear=zeros + 1.0,
+            last_action=torch.zeros(B, 3, device=dev),
             route_id=sc.clone(), route_idx=f0.clone(), rc=zeros.clone(), t=zeros.clone(), steps=f0.clone(),
             still_time=zeros.clone(), light_offset=self._light_offsets(sc, f0, zeros, light),
             stop_done=torch.zeros(B, dtype=torch.bool, device=dev),
@@ -378,7 +382,7 @@ class NuplanEnv(SimEnv):
             veh=veh, ped=self._log_pedestrians(sc, f0), statics=self._log_statics(sc, f0),
             reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
             counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
-            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev),
+            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev),
             scenario=sc, ego_accel=e[:, 5].clone(), ego_steer=zeros.clone())
 
     def _move_ego(self, s: NuplanState, action: Tensor) -> None:
@@ -387,6 +391,7 @@ class NuplanEnv(SimEnv):
         rear, yaw, speed, accel, steer = bicycle_step(s.ego_xy - REAR_AXLE_TO_CENTRE * fwd, s.ego_yaw, s.ego_speed,
                                                       s.ego_accel, s.ego_steer, action, self.cfg.dt)
         s.ego_steer, s.ego_speed, s.ego_accel, s.ego_yaw = steer, speed, accel, yaw
+        s.ego_vel_local = torch.stack((speed, torch.zeros_like(speed)), -1)  # the rear axle moves along the heading
         s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
         steer_cmd, acc_cmd = action[:, 0], action[:, 1]
         s.last_action = torch.stack((steer_cmd, acc_cmd.clamp(min=0.0), (-acc_cmd).clamp(min=0.0)), -1)

@@ -21,6 +21,9 @@ IDM_ACCEL, IDM_DECEL, IDM_GAP, IDM_HEADWAY = 2.0, 3.0, 2.0, 1.5
 VEHICLE_SIZES = ((2.3, 1.0), (2.45, 1.05), (2.6, 1.1), (3.2, 1.2))  # half (length, width), m
 PEDESTRIAN_HALF = 0.3
 JUNCTION_SPEED = 6.0  # m/s cap on junction lanes (turns)
+# Vehicle light state, a bitmask per vehicle (CARLA's VehicleLightState subset that CaRL's BEV draws).
+LIGHT_BRAKE, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER, LIGHT_EMERGENCY = 1, 2, 4, 8
+BRAKE_LIGHT_DECEL = 0.5  # m/s^2: IDM braking harder than this (or holding the car at a standstill) lights the brakes
 
 
 def lane_pose(world: World, lane: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
@@ -86,6 +89,7 @@ class Vehicles:
     still_time: Tensor  # seconds at standstill
     xy: Tensor  # [B,A,2] derived pose, refreshed every step
     yaw: Tensor
+    lights: Tensor  # [B,A] int32 bitmask of LIGHT_* (brake, blinkers, emergency)
 
 
 def random_successor(world: World, lane: Tensor, gen: torch.Generator) -> Tensor:
@@ -117,7 +121,8 @@ def spawn_vehicles(world: World, num_envs: int, num: int, ego_xy: Tensor, gen: t
         half=sizes((num_envs, num), gen, dev),
         v_factor=0.7 + 0.3 * torch.rand((num_envs, num), generator=gen, device=dev),
         stopped_at_sign=torch.zeros(num_envs, num, dtype=torch.bool, device=dev),
-        still_time=torch.zeros(num_envs, num, device=dev), xy=xy, yaw=yaw)
+        still_time=torch.zeros(num_envs, num, device=dev), xy=xy, yaw=yaw,
+        lights=torch.zeros(num_envs, num, dtype=torch.int32, device=dev))
 
 
 def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
@@ -155,6 +160,8 @@ def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, 
     v0 = torch.where(world.lane_junction[veh.lane], v0.clamp(max=JUNCTION_SPEED), v0)
     acc = idm_accel(veh.speed, v0, gap, veh.speed - lead_v)
     speed = (veh.speed + acc * cfg.dt).clamp(min=0.0)
+    braking = (acc < -BRAKE_LIGHT_DECEL) | (speed < 0.1)
+    veh.lights = torch.where(braking, veh.lights | LIGHT_BRAKE, veh.lights & ~LIGHT_BRAKE)
     veh.stopped_at_sign |= is_sign & (speed < 0.1) & (to_line < 3.0)
     veh.still_time = torch.where(speed < 0.1, veh.still_time + cfg.dt, torch.zeros_like(veh.still_time))
     s = veh.s + speed * cfg.dt

@@ -52,11 +52,14 @@ class SimConfig:
     light_green: float = 8.0
     light_yellow: float = 2.0
     light_all_red: float = 1.0
-    # --- episode ends (CaRL's values)
+    # --- episode ends (CaRL's values; rules="leaderboard" uses Leaderboard 2.0's instead, see envs/sim/criteria.py)
+    rules: str = "carl"  # "carl": every hard infraction ends the episode (training) | "leaderboard": LB 2.0 scoring
     max_time: float = 1200.0
     blocked_time: float = 90.0
     blocked_speed: float = 0.1
-    route_deviation: float = 30.0
+    route_deviation: float = 30.0  # m from the route: deviated
+    route_deviation_safe: float = 15.0  # m: route progress made farther than this counts towards ...
+    route_deviation_fraction: float = 0.3  # ... this fraction of the route: deviated (CaRL's second rule; 0 = off)
     off_road_fraction: float = 0.95
     reward: RewardConfig = field(default_factory=RewardConfig)
 
@@ -66,6 +69,11 @@ class SimConfig:
                 raise ConfigError(f"env.{key}={getattr(self, key)!r}: {fix}")
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
+        need(self.rules in ("carl", "leaderboard"), "rules",
+             "use 'carl' (CaRL's training terminations) or 'leaderboard' (Leaderboard 2.0 scoring)")
+        need(0 < self.route_deviation_safe <= self.route_deviation, "route_deviation_safe",
+             "must be in (0, route_deviation]")
+        need(0 <= self.route_deviation_fraction <= 1, "route_deviation_fraction", "must be in [0, 1] (0 = rule off)")
         need(len(self.route_length) == 2 and 10 <= self.route_length[0] <= self.route_length[1], "route_length",
              "give (min, max) metres with 10 <= min <= max")
         need(self.num_routes >= 1, "num_routes", "must be >= 1")

@@ -16,17 +16,20 @@ from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, BatchedE
 from envs.maps.lanegraph import LaneGraph, MapError
 from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
 from envs.routes import parse_leaderboard_xml, plan_route, random_routes
-from envs.sim import agents, infractions
+from envs.sim import agents, criteria, infractions
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
+from envs.sim.criteria import CriteriaState
 from envs.sim.geometry import wrap_angle
 from envs.sim.infractions import HARD, INFRACTIONS, TERMINAL_PENALTY
-from envs.sim.observation import CHANNELS, measurements, render_bev, upcoming_stop_lines, value_measurements
+from envs.sim.observation import CHANNELS, gear, measurements, render_bev, upcoming_stop_lines, value_measurements
 from envs.sim.world import World, build_world, light_state
 
 HISTORY = 15  # comfort history length (samples)
 RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
 TERMINATIONS = HARD + ("route_completed",)
+# Leaderboard mode: the events that end a route (the others are recorded and the route goes on)
+ROUTE_ENDING_LB = torch.tensor([k in ("route_deviation", "blocked", "timeout") for k in HARD])
 
 
 @dataclass
@@ -36,6 +39,8 @@ class SimState:
     ego_xy: Tensor  # [B,2]
     ego_yaw: Tensor
     ego_speed: Tensor
+    ego_vel_local: Tensor  # [B,2] velocity in the ego frame (forward, left), m/s
+    gear: Tensor  # [B] float
     last_action: Tensor  # [B,3] steer, throttle, brake
     route_id: Tensor
     route_idx: Tensor
@@ -55,6 +60,7 @@ class SimState:
     counts: Tensor  # [B, len(INFRACTIONS)] int
     outside_m: Tensor  # metres of route progress made outside the lanes
     prev_soft: Tensor  # [B,4] bool: speeding, ttc, comfort, outside last step (to count events on rising edges)
+    crit: CriteriaState
 
 
 def assign_rows(state, rows: Tensor, fresh) -> None:
@@ -131,6 +137,7 @@ class SimEnv(BatchedEnv):
         self.ego_half = torch.tensor(cfg.ego_half_extent, device=self.device).expand(num_envs, 2)
         self.route_stride = cfg.route_stride or num_envs  # rows advance by this many routes
         self.next_route = self._first_routes()
+        self._lb_ending = ROUTE_ENDING_LB.to(self.device)
         bev = (len(CHANNELS), cfg.bev_size, cfg.bev_size)
         self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
                                  OBS_MEASUREMENTS: TensorSpec((8,), torch.float32),
@@ -168,7 +175,8 @@ class SimEnv(BatchedEnv):
         st.valid &= cfg.traffic & (torch.arange(self.num_statics, device=dev) < cfg.num_statics)
         cycle = 4 * (cfg.light_green + cfg.light_yellow + cfg.light_all_red)
         return SimState(
-            ego_xy=ego_xy, ego_yaw=ego_yaw, ego_speed=zeros.clone(), last_action=torch.zeros(B, 3, device=dev),
+            ego_xy=ego_xy, ego_yaw=ego_yaw, ego_speed=zeros.clone(), ego_vel_local=torch.zeros(B, 2, device=dev),
+            gear=zeros + 1.0, last_action=torch.zeros(B, 3, device=dev),
             route_id=route_id, route_idx=zi.clone(), rc=zeros.clone(), t=zeros.clone(), steps=zi.clone(),
             still_time=zeros.clone(),
             light_offset=torch.rand((B, max(1, w.num_junctions)), generator=g, device=dev) * cycle,
@@ -176,7 +184,7 @@ class SimEnv(BatchedEnv):
             hist_speed=torch.zeros(B, HISTORY, device=dev), hist_yaw=ego_yaw.unsqueeze(1).repeat(1, HISTORY),
             veh=veh, ped=ped, statics=st, reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
             counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
-            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev))
+            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev))
 
     def reset(self, seed: int | None = None) -> dict[str, Tensor]:
         if seed is not None:
@@ -210,32 +218,70 @@ class SimEnv(BatchedEnv):
         s.t = s.t + cfg.dt
         s.steps = s.steps + 1
 
-        # route completion and lane relations
-        new_idx, route_dist = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
+        # route completion, route deviation and lane relations
+        leaderboard = cfg.rules == "leaderboard"
+        c = s.crit
+        new_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
         stops_info = self._stop_lines(s, s.route_idx, new_idx)
         rc = infractions.route_completion(w, s.route_id, new_idx)
+        if leaderboard:  # a route completed to >= 99 % counts as completed (100 %)
+            rc = torch.where(rc >= criteria.COMPLETED_RC, torch.full_like(rc, 100.0), rc)
         progress = rc - s.rc
         travelled = w.route_cum[s.route_id, new_idx] - w.route_cum[s.route_id, s.route_idx]
         s.route_idx, s.rc = new_idx, rc
+        deviated, c.dev_idx, c.out_route_m, _ = infractions.route_deviation(
+            w, s.route_id, c.dev_idx, s.ego_xy, c.out_route_m, cfg.route_deviation_safe,
+            criteria.LB_ROUTE_DEVIATION if leaderboard else cfg.route_deviation,
+            0.0 if leaderboard else cfg.route_deviation_fraction)
         lane = infractions.lane_measures(w, s.ego_xy, s.ego_yaw)
+        c.wrong_way = infractions.wrong_way(lane, s.ego_yaw, c.prev_lane, c.prev_lane_yaw, c.prev_junction,
+                                            c.wrong_way)
+        c.prev_lane = torch.where(lane["found"], lane["lane"], c.prev_lane)
+        c.prev_lane_yaw = torch.where(lane["found"], lane["lane_yaw"], c.prev_lane_yaw)
+        c.prev_junction = torch.where(lane["found"], lane["junction"], c.prev_junction)
+        outside = lane["off_lane"] | c.wrong_way
 
         # infractions
-        hits = infractions.collisions(s.ego_xy, s.ego_yaw, self.ego_half, {
+        overlaps = infractions.collisions(s.ego_xy, s.ego_yaw, self.ego_half, {
             "vehicle": (s.veh.xy, s.veh.yaw, s.veh.half, s.veh.valid),
             "pedestrian": (s.ped.xy, s.ped.yaw, torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF), s.ped.valid),
             "static": (s.statics.xy, s.statics.yaw, s.statics.half, s.statics.valid)})
-        s.still_time = torch.where(s.ego_speed < cfg.blocked_speed, s.still_time + cfg.dt, torch.zeros_like(s.t))
+        hit_class, hit_key = criteria.first_hit(overlaps)
+        if leaderboard:  # CollisionTest's merging; the hit actor leaves the world (no contact physics here)
+            recorded = criteria.record_collisions(c, hit_class, hit_key, s.ego_xy, s.ego_speed, s.t)
+            self._remove_hit_actors(s, overlaps, hit_class >= 0)
+            hits = {name: recorded & (hit_class == i) for i, name in enumerate(criteria.ACTOR_CLASSES)}
+            blocked_speed, blocked_time = criteria.LB_BLOCKED_SPEED, criteria.LB_BLOCKED_TIME
+            criteria.extend_timeout(c, travelled, lane["speed_limit"])
+            timeout = s.t > c.timeout
+        else:
+            hits = {name: hit.any(1) for name, hit in overlaps.items()}
+            blocked_speed, blocked_time = cfg.blocked_speed, cfg.blocked_time
+            timeout = s.t > cfg.max_time
+        s.still_time = torch.where(s.ego_speed < blocked_speed, s.still_time + cfg.dt, torch.zeros_like(s.t))
         hard = {
             "collision_vehicle": hits["vehicle"], "collision_pedestrian": hits["pedestrian"],
             "collision_static": hits["static"], "red_light": stops_info[0], "stop_sign": stops_info[1],
             "off_road": infractions.off_road(w, s.ego_xy, s.ego_yaw, self.ego_half, cfg.off_road_fraction),
-            "route_deviation": route_dist > cfg.route_deviation,
-            "blocked": s.still_time > cfg.blocked_time,
-            "timeout": s.t > cfg.max_time,
+            "route_deviation": deviated,
+            "blocked": s.still_time > blocked_time,
+            "timeout": timeout,
         }
         hard_t = torch.stack([hard[k] for k in HARD], -1)
-        terminated = hard_t.any(-1)
+        if leaderboard:
+            off_road_now = hard["off_road"]  # counted once per excursion, not per tick
+            hard_t[:, HARD.index("off_road")] = off_road_now & ~c.off_road
+            c.off_road = off_road_now
+            ending_t = hard_t & self._lb_ending
+            terminated = ending_t.any(-1)
+            traffic_speed, has_traffic = criteria.surrounding_speed(s.ego_xy, s.veh.xy, s.veh.speed, s.veh.valid)
+            criteria.update_min_speed(c, s.ego_speed, traffic_speed, has_traffic, s.rc, ~terminated)
+        else:
+            ending_t = hard_t
+            terminated = hard_t.any(-1)
         truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
+        if leaderboard:
+            truncated = truncated | ((s.rc >= 100.0) & ~terminated)
 
         # soft penalties and the reward
         a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
@@ -244,23 +290,23 @@ class SimEnv(BatchedEnv):
         s.hist_speed = torch.cat((s.hist_speed[:, 1:], s.ego_speed.unsqueeze(1)), 1)
         s.hist_yaw = torch.cat((s.hist_yaw[:, 1:], s.ego_yaw.unsqueeze(1)), 1)
         comfort = comfort_violations(*infractions.comfort_metrics(s.hist_speed, s.hist_yaw, s.steps, cfg.dt), rcfg)
-        terminal_penalty = torch.stack([hard[k] for k in TERMINAL_PENALTY], -1).any(-1)
+        terminal_penalty = torch.stack([hard_t[:, HARD.index(k)] for k in TERMINAL_PENALTY], -1).any(-1)
         terms = compute_reward(RewardInputs(
-            progress=progress, outside_lanes=lane["outside"], speed=s.ego_speed, speed_limit=lane["speed_limit"],
+            progress=progress, outside_lanes=outside, speed=s.ego_speed, speed_limit=lane["speed_limit"],
             ttc_violation=ttc, comfort_violation=comfort, lane_offset_ratio=lane["lane_ratio"],
             terminal_penalty=terminal_penalty), s.reward_state, rcfg)
         reward = terms.reward
         s.ep_return = s.ep_return + reward
 
         # episode bookkeeping: hard infractions, and soft ones counted on their rising edge
-        soft = torch.stack((s.ego_speed > lane["speed_limit"], ttc, comfort.any(-1), lane["outside"]), -1)
+        soft = torch.stack((s.ego_speed > lane["speed_limit"], ttc, comfort.any(-1), outside), -1)
         rising = soft & ~s.prev_soft
         s.prev_soft = soft
         s.counts = s.counts + torch.cat((hard_t, rising), -1).long()
-        s.outside_m = s.outside_m + torch.where(lane["outside"], travelled, torch.zeros_like(travelled))
+        s.outside_m = s.outside_m + torch.where(outside, travelled, torch.zeros_like(travelled))
 
         done = terminated | truncated
-        info = self._episode_info(s, done, hard_t, truncated)
+        info = self._episode_info(s, done, ending_t, truncated)
         if cfg.keep_final_obs:
             for k, v in self._observe(s, speed_limit=lane["speed_limit"]).items():
                 info[f"final_obs/{k}"] = v
@@ -295,6 +341,8 @@ class SimEnv(BatchedEnv):
         s.ego_xy = s.ego_xy + torch.stack((torch.cos(heading), torch.sin(heading)), -1) * (v_mid * cfg.dt).unsqueeze(-1)
         s.ego_yaw = wrap_angle(s.ego_yaw + v_mid / (cfg.wheelbase / 2) * torch.sin(beta) * cfg.dt)
         s.ego_speed = v_new
+        s.ego_vel_local = torch.stack((torch.cos(beta), torch.sin(beta)), -1) * v_new.unsqueeze(-1)  # side slip
+        s.gear = gear(v_new)
         s.last_action = torch.stack((steer, throttle, brake), -1)
 
     def _actors(self, s: SimState, include_ego: bool) -> tuple[Tensor, ...]:
@@ -340,11 +388,18 @@ class SimEnv(BatchedEnv):
         s.stop_done = s.stop_done & ~(crossed & is_sign).any(1)
         return red, ran_sign
 
+    def _remove_hit_actors(self, s: SimState, overlaps: dict[str, Tensor], hit: Tensor) -> None:
+        """Actors overlapping the ego leave the world once the collision is judged: the simulator has no contact
+        physics, so they would otherwise stay glued to the ego (vehicles are respawned elsewhere later)."""
+        for name, group in (("vehicle", s.veh), ("pedestrian", s.ped), ("static", s.statics)):
+            group.valid = group.valid & ~(overlaps[name] & hit.unsqueeze(1))
+
     def _episode_info(self, s: SimState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+        """Episode statistics of every row; ``hard_t`` are the events that ended the episode this step."""
         w = self.world
         route_len = w.route_len[s.route_id]
         outside_pct = s.outside_m / route_len.clamp(min=1e-3) * 100.0
-        score = infractions.infraction_score(s.counts, outside_pct)
+        score = infractions.infraction_score(s.counts, outside_pct) * s.crit.ms_factor
         reason = torch.cat((hard_t, truncated.unsqueeze(-1)), -1)
         first = reason.float().argmax(-1)  # the first reason in TERMINATIONS order
         info = {
@@ -356,6 +411,7 @@ class SimEnv(BatchedEnv):
         }
         for i, name in enumerate(INFRACTIONS):
             info[f"episode/infractions/{name}"] = s.counts[:, i].float()
+        info["episode/infractions/min_speed"] = s.crit.ms_events.float()
         for i, name in enumerate(TERMINATIONS):
             info[f"episode/termination/{name}"] = ((first == i) & reason.any(-1)).float()
         return info

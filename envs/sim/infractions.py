@@ -25,24 +25,48 @@ INFRACTIONS = ("collision_vehicle", "collision_pedestrian", "collision_static", 
                "off_road", "route_deviation", "blocked", "timeout", "speeding", "ttc", "comfort", "outside_lanes")
 HARD = INFRACTIONS[:9]
 TERMINAL_PENALTY = ("collision_vehicle", "collision_pedestrian", "collision_static", "red_light")
-ROUTE_WINDOW = 10
-TTC_NEAREST = 6  # actors considered by the TTC forecast
+RC_WINDOW = 2  # RouteCompletionTest: the next 3 route points (window 2)
+DEVIATION_WINDOW = 5  # InRouteTest: the nearest of the next 6 route points
+WRONG_WAY_LANE_CHANGE = math.radians(150)  # a lane change outside junctions with this lane-heading jump flips the direction
+WRONG_WAY_JUNCTION_EXIT = math.radians(120)  # leaving a junction with this ego-vs-lane angle: wrong way
 
 
-def route_progress(world: World, route_id: Tensor, idx: Tensor, ego_xy: Tensor) -> tuple[Tensor, Tensor]:
-    """Advance the route index to the furthest of the next points already passed (forward-vector test, as
-    ``RouteCompletionTest``); also return the distance to the nearest point of the window (for route deviation)."""
+def route_progress(world: World, route_id: Tensor, idx: Tensor, ego_xy: Tensor) -> Tensor:
+    """``RouteCompletionTest``: the route index moves to the furthest of the points ``idx .. idx + RC_WINDOW`` whose
+    forward vector has a positive dot product with (ego - point), i.e. that the ego has passed."""
     n = world.route_n[route_id]
-    k = (idx.unsqueeze(1) + torch.arange(ROUTE_WINDOW, device=idx.device)).clamp(max=(n - 1).unsqueeze(1))
+    k = (idx.unsqueeze(1) + torch.arange(RC_WINDOW + 1, device=idx.device)).clamp(max=(n - 1).unsqueeze(1))
     rid = route_id.unsqueeze(1).expand_as(k)
     p = world.route_pts[rid, k]
-    p_next = world.route_pts[rid, (k + 1).clamp(max=(n - 1).unsqueeze(1))]
-    fwd = p_next - p
-    rel = ego_xy.unsqueeze(1) - p
-    dist = rel.norm(dim=-1)
-    passed = ((fwd * rel).sum(-1) > 0) & (dist < 8.0)
+    fwd = world.route_pts[rid, (k + 1).clamp(max=(n - 1).unsqueeze(1))] - p
+    passed = (fwd * (ego_xy.unsqueeze(1) - p)).sum(-1) > 0
     furthest = torch.where(passed, k, torch.zeros_like(k)).max(1).values
-    return torch.maximum(idx, furthest), dist.min(1).values
+    return torch.maximum(idx, furthest)
+
+
+def route_deviation(world: World, route_id: Tensor, dev_idx: Tensor, ego_xy: Tensor, out_m: Tensor,
+                    safe_m: float, max_m: float, max_fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``InRouteTest`` (CaRL's training version): the nearest of the route points ``dev_idx .. dev_idx + 5``.
+
+    Deviated when that point is ``max_m`` (30 m) or more away, or when the route length advanced while ``safe_m``
+    (15 m) or more from the route exceeds ``max_fraction`` (30 %) of the route. Returns (deviated, new index,
+    new out-of-route metres, distance to the route); ``max_fraction <= 0`` disables the second rule (Leaderboard 2.0).
+    """
+    n = world.route_n[route_id]
+    k = (dev_idx.unsqueeze(1) + torch.arange(DEVIATION_WINDOW + 1, device=dev_idx.device)).clamp(
+        max=(n - 1).unsqueeze(1))
+    rid = route_id.unsqueeze(1).expand_as(k)
+    dist = (ego_xy.unsqueeze(1) - world.route_pts[rid, k]).norm(dim=-1)
+    # the last of equally near points, like the criterion's "<=" scan
+    flipped = dist.flip(1)
+    shortest, j = flipped.min(1)
+    nearest = k.gather(1, (DEVIATION_WINDOW - j).unsqueeze(1)).squeeze(1)
+    advanced = world.route_cum[route_id, nearest] - world.route_cum[route_id, dev_idx]
+    out_m = torch.where(shortest >= safe_m, out_m + advanced, out_m)
+    too_far = shortest >= max_m
+    if max_fraction > 0:
+        too_far = too_far | (out_m > max_fraction * world.route_len[route_id])
+    return too_far, nearest, out_m, shortest
 
 
 def route_completion(world: World, route_id: Tensor, idx: Tensor) -> Tensor:
@@ -53,23 +77,19 @@ def route_completion(world: World, route_id: Tensor, idx: Tensor) -> Tensor:
 
 def collisions(ego_xy: Tensor, ego_yaw: Tensor, ego_half: Tensor, actors: dict[str, tuple[Tensor, ...]]
                ) -> dict[str, Tensor]:
-    """Oriented-box overlap of the ego with each actor class: {"vehicle"|"pedestrian"|"static": bool [B]}."""
+    """Oriented-box overlap of the ego with each valid actor of each class: {"vehicle"|...: bool [B, N]}."""
     out = {}
     for name, (xy, yaw, half, valid) in actors.items():
         hit = boxes_overlap(ego_xy.unsqueeze(1), ego_yaw.unsqueeze(1), ego_half.unsqueeze(1), xy, yaw, half)
-        out[name] = (hit & valid).any(1)
+        out[name] = hit & valid
     return out
 
 
 def ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: Tensor, xy: Tensor, yaw: Tensor,
                   speed: Tensor, half: Tensor, valid: Tensor, times: tuple[float, ...]) -> Tensor:
-    """Constant-velocity forecast of every box at the TTC times: any overlap with the ego's forecast (CaRL §1.2)."""
-    if xy.shape[1] > TTC_NEAREST:  # only the nearest actors can be reached within the horizon
-        dist = torch.where(valid, (xy - ego_xy.unsqueeze(1)).norm(dim=-1), torch.full_like(speed, 1e9))
-        near = dist.topk(TTC_NEAREST, dim=1, largest=False).indices
-        xy = xy.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
-        half = half.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
-        yaw, speed, valid = yaw.gather(1, near), speed.gather(1, near), valid.gather(1, near)
+    """Constant-velocity forecast of every box at the TTC times: any overlap with the ego's forecast (CaRL §1.2).
+
+    Every actor is checked (vehicles, walkers, statics), as CaRL does; no nearest-N cap."""
     tt = torch.tensor(times, device=ego_xy.device)  # [T]
     ego_dir = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1)
     odir = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
@@ -118,15 +138,34 @@ def off_road(world: World, ego_xy: Tensor, ego_yaw: Tensor, ego_half: Tensor, th
 
 
 def lane_measures(world: World, ego_xy: Tensor, ego_yaw: Tensor) -> dict[str, Tensor]:
-    """Nearest driving lane under the ego: speed limit, lane-centre ratio, outside-lanes flag, junction flag."""
+    """Nearest driving lane under the ego: lane, its heading, speed limit, lane-centre ratio, junction flag, and
+    ``off_lane`` (no lane within half its width + 0.5 m)."""
     lane, lateral, lane_yaw, found = lane_lookup(world, ego_xy)
     width = world.lane_width[lane]
     junction = world.lane_junction[lane] & found
-    wrong_way = wrap_angle(ego_yaw - lane_yaw).abs() > math.radians(120)
-    outside = ~found | (lateral.abs() > width / 2 + 0.5) | (wrong_way & ~junction)
+    off_lane = ~found | (lateral.abs() > width / 2 + 0.5)
     ratio = torch.where(junction | ~found, torch.zeros_like(lateral), lateral.abs() / (width / 2))
     limit = torch.where(found, world.lane_speed[lane], torch.full_like(lateral, 6.0))
-    return {"lane": lane, "speed_limit": limit, "lane_ratio": ratio, "outside": outside, "junction": junction}
+    return {"lane": lane, "lane_yaw": lane_yaw, "speed_limit": limit, "lane_ratio": ratio, "off_lane": off_lane,
+            "junction": junction, "found": found}
+
+
+def wrong_way(lane: dict[str, Tensor], ego_yaw: Tensor, prev_lane: Tensor, prev_lane_yaw: Tensor,
+              prev_junction: Tensor, active: Tensor) -> Tensor:
+    """``OutsideRouteLanesTest``'s wrong-direction state after this step (CaRL §1.2, Leaderboard 2.0).
+
+    Junctions are never wrong way. Leaving a junction: wrong when the ego heads more than 120 deg off the lane. A lane
+    change outside junctions whose lane heading jumps by more than 150 deg (onto the oncoming lane, or back) flips
+    the state. ``prev_*`` describe the lane under the ego at the previous step.
+    """
+    junction = lane["junction"]
+    changed = lane["found"] & (lane["lane"] != prev_lane)
+    exit_junction = changed & prev_junction & ~junction
+    flip = changed & ~prev_junction & ~junction & (wrap_angle(lane["lane_yaw"] - prev_lane_yaw).abs()
+                                                   > WRONG_WAY_LANE_CHANGE)
+    off_angle = wrap_angle(ego_yaw - lane["lane_yaw"]).abs() > WRONG_WAY_JUNCTION_EXIT
+    active = torch.where(exit_junction, off_angle, active ^ flip)
+    return active & ~junction
 
 
 def infraction_score(counts: Tensor, outside_pct: Tensor) -> Tensor:

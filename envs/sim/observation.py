@@ -7,6 +7,7 @@ from torch import Tensor
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
 from envs.reward import RewardConfig
+from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER
 from envs.sim.config import SimConfig
 from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
 from envs.sim.world import LightFn, World
@@ -15,7 +16,15 @@ CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffi
             "speed_signs", "static_objects", "shoulder")
 STATIC_LAYERS = {0: LAYER_ROAD, 2: LAYER_MARKINGS, 7: LAYER_SPEED_SIGNS, 9: LAYER_SHOULDER}
 MIN_HALF_EXTENT = 0.8  # CaRL draws actor boxes with at least 0.8 m half extent
-LIGHT_GREEN, LIGHT_YELLOW_BASE, LIGHT_RED = 80, 170, 255
+LIGHT_GREEN, LIGHT_RED = 80, 255  # int(0.315 * 255), 255
+YELLOW_FACTOR, YELLOW_RAMP_S = 0.67, 3.0  # yellow is 0.67 * 255 = 170, ramping to 255 over its last 3 s
+# CaRL's light boxes: (light bit, value, centre in the vehicle frame (forward, left) m); each 0.5 m half extent,
+# drawn over the vehicle's own box.
+LIGHT_BOXES = ((LIGHT_EMERGENCY, 22, (0.0, 0.0)), (LIGHT_LEFT_BLINKER, 44, (0.5, 0.5)),
+               (LIGHT_RIGHT_BLINKER, 77, (0.5, -0.5)), (LIGHT_BRAKE, 111, (-1.5, 0.0)))
+LIGHT_BOX_HALF = 0.5
+# Automatic gearbox of the simulator's ego: upshift speeds (m/s). CARLA reports its own transmission's gear.
+GEAR_UP_SPEEDS = (6.0, 11.0, 16.0, 22.0)
 EVENT_WINDOW = (-20, 150)  # route points around the ego whose stop lines are drawn
 STOP_SIGN_RANGE = 20.0  # m ahead at which a stop sign becomes the target
 
@@ -49,26 +58,28 @@ def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     rid = s.route_id.unsqueeze(1).expand_as(k)
     radius = max(1, round(3 * cfg.bev_ppm / 2.0))
     draw_discs(out[:, 1], world.route_pts[rid, k], radius, 255, in_route & world.route_junction[rid, k], *pose)
-    # actors
+    # actors (CaRL: boxes at least MIN_HALF_EXTENT, speed-encoded, a 1 s speed line from the front centre)
     v = s.veh
-    draw_boxes(out[:, 3], v.xy, v.yaw, v.half, speed_encoding(v.speed), v.valid, *pose, max_extent_m=3.5)
-    front = v.xy + torch.stack((torch.cos(v.yaw), torch.sin(v.yaw)), -1) * v.half[..., :1]
-    reach = (v.speed * 1.0).clamp(min=0.5).unsqueeze(-1)
-    tip = front + torch.stack((torch.cos(v.yaw), torch.sin(v.yaw)), -1) * reach
-    draw_segments(out[:, 3], front, tip, 1.0 / cfg.bev_ppm, speed_encoding(v.speed), v.valid, *pose, max_length_m=36.0)
+    v_half = v.half.clamp(min=MIN_HALF_EXTENT)
+    v_value = speed_encoding(v.speed)
+    draw_boxes(out[:, 3], v.xy, v.yaw, v_half, v_value, v.valid, *pose, max_extent_m=3.5)
+    _draw_speed_lines(out[:, 3], v.xy, v.yaw, v_half, v.speed, v_value, v.valid, cfg, pose)
+    _draw_vehicle_lights(out[:, 3], v.xy, v.yaw, v.lights, v.valid, pose)
     p = s.ped
     moving_speed = torch.where(p.moving, p.speed, torch.zeros_like(p.speed))
-    draw_boxes(out[:, 4], p.xy, p.yaw, torch.full_like(p.xy, MIN_HALF_EXTENT), speed_encoding(moving_speed), p.valid,
-               *pose, max_extent_m=1.0)
+    p_half = torch.full_like(p.xy, MIN_HALF_EXTENT)
+    p_value = speed_encoding(moving_speed)
+    draw_boxes(out[:, 4], p.xy, p.yaw, p_half, p_value, p.valid, *pose, max_extent_m=1.0)
+    _draw_speed_lines(out[:, 4], p.xy, p.yaw, p_half, moving_speed, p_value, p.valid, cfg, pose)
     st = s.statics
-    draw_boxes(out[:, 8], st.xy, st.yaw, st.half, 255, st.valid, *pose, max_extent_m=3.5)
+    draw_boxes(out[:, 8], st.xy, st.yaw, st.half.clamp(min=MIN_HALF_EXTENT), 255, st.valid, *pose, max_extent_m=3.5)
     # traffic lights and the targeted stop sign, from the stop lines on the route
     stop, ev_idx, near = upcoming_stop_lines(world, s.route_id, s.route_idx)
     is_sign = world.stop_control[stop] == CONTROL_STOP
     group = torch.where(is_sign, torch.full_like(stop, -1), world.stop_group[stop])
     state, yellow_left = lights(group)
-    ramp = LIGHT_YELLOW_BASE + (255 - LIGHT_YELLOW_BASE) * (1 - yellow_left / max(cfg.light_yellow, 1e-3))
-    value = torch.where(state == 0, LIGHT_GREEN, torch.where(state == 1, ramp.round().long(), LIGHT_RED)).to(torch.uint8)
+    value = torch.where(state == 0, LIGHT_GREEN, torch.where(state == 1, yellow_value(yellow_left), LIGHT_RED)
+                        ).to(torch.uint8)
     centre, yaw, width = world.stop_xy[stop], world.stop_yaw[stop], world.stop_width[stop]
     across = torch.stack((-torch.sin(yaw), torch.cos(yaw)), -1) * (width / 2).unsqueeze(-1)
     draw_segments(out[:, 5], centre - across, centre + across, 3.0 / cfg.bev_ppm, value, near & ~is_sign, *pose,
@@ -82,12 +93,51 @@ def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     return out
 
 
+def yellow_value(yellow_left: Tensor) -> Tensor:
+    """CaRL's yellow stop-line value: 170 until 3 s of yellow remain, then a linear ramp to 255 at red."""
+    fraction = (yellow_left / YELLOW_RAMP_S).clamp(max=1.0)
+    return ((1.0 - fraction * (1.0 - YELLOW_FACTOR)) * 255).long()  # int() truncation as in CaRL
+
+
+def _draw_speed_lines(canvas: Tensor, xy: Tensor, yaw: Tensor, half: Tensor, speed: Tensor, value: Tensor,
+                      valid: Tensor, cfg: SimConfig, pose: tuple) -> None:
+    """1-px line from the box's front centre forward by max(1 px, speed x 1 s): where the actor will be in 1 s."""
+    heading = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+    front = xy + heading * half[..., :1]
+    tip = front + heading * speed.clamp(min=1.0 / cfg.bev_ppm).unsqueeze(-1)
+    draw_segments(canvas, front, tip, 1.0 / cfg.bev_ppm, value, valid, *pose, max_length_m=36.0)
+
+
+def _draw_vehicle_lights(canvas: Tensor, xy: Tensor, yaw: Tensor, lights: Tensor, valid: Tensor, pose: tuple
+                         ) -> None:
+    """CaRL's light boxes (emergency 22, blinkers 44 / 77, brake 111) drawn over the vehicle boxes (they replace
+    the speed value there, so they are drawn apart and written where they are set)."""
+    c, s_ = torch.cos(yaw).unsqueeze(-1), torch.sin(yaw).unsqueeze(-1)
+    offsets = torch.tensor([off for _, _, off in LIGHT_BOXES], device=xy.device)  # [4, 2] (forward, left)
+    centres = xy.unsqueeze(2) + torch.stack((c * offsets[:, 0] - s_ * offsets[:, 1],
+                                             s_ * offsets[:, 0] + c * offsets[:, 1]), -1)  # [B, A, 4, 2]
+    bits = torch.tensor([bit for bit, _, _ in LIGHT_BOXES], dtype=lights.dtype, device=xy.device)
+    on = ((lights.unsqueeze(-1) & bits) != 0) & valid.unsqueeze(-1)  # [B, A, 4]
+    values = torch.tensor([val for _, val, _ in LIGHT_BOXES], dtype=torch.uint8, device=xy.device).expand_as(on)
+    B = xy.shape[0]
+    scratch = torch.zeros_like(canvas)
+    draw_boxes(scratch, centres.reshape(B, -1, 2), yaw.unsqueeze(-1).expand_as(on).reshape(B, -1),
+               torch.full((B, on[0].numel(), 2), LIGHT_BOX_HALF, device=xy.device), values.reshape(B, -1),
+               on.reshape(B, -1), *pose, max_extent_m=LIGHT_BOX_HALF)
+    canvas.copy_(torch.where(scratch > 0, scratch, canvas))
+
+
+def gear(speed: Tensor) -> Tensor:
+    """The simulator's automatic gear (1 at standstill, up-shifting at GEAR_UP_SPEEDS)."""
+    return 1.0 + (speed.unsqueeze(-1) > torch.tensor(GEAR_UP_SPEEDS, device=speed.device)).sum(-1).float()
+
+
 def measurements(s, speed_limit: Tensor) -> Tensor:
-    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity, forward speed, limit."""
-    gear = torch.ones_like(s.ego_speed)
-    zeros = torch.zeros_like(s.ego_speed)
-    return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], gear, s.ego_speed, zeros,
-                        s.ego_speed, speed_limit), -1)
+    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity (forward, right: CARLA's
+    left-handed frame), forward speed, speed limit."""
+    vx, v_left = s.ego_vel_local.unbind(-1)
+    return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], s.gear, vx, -v_left,
+                        vx, speed_limit), -1)
 
 
 def value_measurements(world: World, s, cfg: SimConfig, reward_cfg: RewardConfig) -> Tensor:
