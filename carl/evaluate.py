@@ -64,12 +64,14 @@ LB_INFRACTION_KEYS: dict[str, str] = {
     "blocked": "vehicle_blocked",
     "timeout": "route_timeout",
     "off_road": "off_road",
+    "min_speed": "min_speed_infractions",
 }
-LB_EMPTY_KEYS = ("min_speed_infractions", "yield_emergency_vehicle_infractions", "scenario_timeouts")
+LB_EMPTY_KEYS = ("yield_emergency_vehicle_infractions", "scenario_timeouts")
 FAILED_STATUS = {
     "route_deviation": "Failed - Agent deviated from the route",
     "blocked": "Failed - Agent got blocked",
     "timeout": "Failed - Agent timed out",
+    "max_steps": "Failed - Still running at max_steps (carl-eval's step limit)",
 }
 
 
@@ -130,7 +132,7 @@ class Benchmark:
     name: str
     env: str
     groups: list[RouteGroup]
-    max_steps: int
+    max_steps: int | None  # None: each env's own bound (SimEnv.max_episode_steps), else max_time / dt + 10
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""  # logged by carl-eval before the run (e.g. Val14: tokens found / missing)
 
@@ -182,9 +184,7 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
     if not groups or sum(g.num_routes for g in groups) == 0:
         raise EvalError(f"benchmark={name} has no routes (route_file={route_file!r}, towns={bcfg.get('towns')}, "
                         f"num_routes={bcfg.get('num_routes')}); give a route file with routes or num_routes >= 1")
-    max_time = float(options.get("max_time", 1200.0))
-    dt = float(options.get("dt", 0.1))
-    max_steps = int(bcfg.get("max_steps") or math.ceil(max_time / dt) + 10)
+    max_steps = int(bcfg["max_steps"]) if bcfg.get("max_steps") else None
     return Benchmark(name, env, groups, max_steps, dict(bcfg))
 
 
@@ -531,9 +531,19 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             log(f"  {name_of(rid)}: DS {rec['scores']['score_composed']:6.2f}  RC {rec['scores']['score_route']:6.2f}"
                 f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
 
+        if not max_steps:
+            max_steps = int(getattr(env, "max_episode_steps", 0)) or math.ceil(
+                float(group.options.get("max_time", 1200.0)) / float(group.options.get("dt", 0.1))) + 10
         run_first_episodes(env, act, max_steps, seed=seed, on_episode=record, rows=set(pending))
-        if pending:
-            log(f"  {len(pending)} routes of {group.name} did not finish within max_steps={max_steps}; not recorded")
+        if pending and hasattr(env, "running_episodes"):  # still driving: reported as they stand, never dropped
+            running = env.running_episodes()
+            for row in sorted(pending):
+                ep = {k: float(v[row].reshape(-1)[0]) for k, v in running.items()}
+                ep["episode/termination/max_steps"] = 1.0
+                record(row, ep)
+        elif pending:
+            log(f"  {len(pending)} routes of {group.name} did not finish within max_steps={max_steps}; env "
+                f"{group.env} cannot report running routes, so they are missing from the results")
         return recorded
     finally:
         env.close()

@@ -7,6 +7,7 @@ function; nothing loops over environments or actors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -224,15 +225,18 @@ class SimEnv(BatchedEnv):
         new_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
         stops_info = self._stop_lines(s, s.route_idx, new_idx)
         rc = infractions.route_completion(w, s.route_id, new_idx)
-        if leaderboard:  # a route completed to >= 99 % counts as completed (100 %)
-            rc = torch.where(rc >= criteria.COMPLETED_RC, torch.full_like(rc, 100.0), rc)
+        completed = torch.zeros_like(rc, dtype=torch.bool)
+        if leaderboard:  # RouteCompletionTest's success: beyond 99 % and within 10 m of the end counts as 100 %
+            end = w.route_pts[s.route_id, w.route_n[s.route_id] - 1]
+            completed = (rc > criteria.COMPLETED_RC) & ((s.ego_xy - end).norm(dim=-1) < criteria.COMPLETED_END_DIST)
+            rc = torch.where(completed, torch.full_like(rc, 100.0), rc)
         progress = rc - s.rc
         travelled = w.route_cum[s.route_id, new_idx] - w.route_cum[s.route_id, s.route_idx]
         s.route_idx, s.rc = new_idx, rc
         deviated, c.dev_idx, c.out_route_m, _ = infractions.route_deviation(
-            w, s.route_id, c.dev_idx, s.ego_xy, c.out_route_m, cfg.route_deviation_safe,
-            criteria.LB_ROUTE_DEVIATION if leaderboard else cfg.route_deviation,
-            0.0 if leaderboard else cfg.route_deviation_fraction)
+            w, s.route_id, c.dev_idx, s.ego_xy, c.out_route_m,
+            *((criteria.LB_ROUTE_DEVIATION_SAFE, criteria.LB_ROUTE_DEVIATION, criteria.LB_ROUTE_DEVIATION_FRACTION)
+              if leaderboard else (cfg.route_deviation_safe, cfg.route_deviation, cfg.route_deviation_fraction)))
         lane = infractions.lane_measures(w, s.ego_xy, s.ego_yaw)
         c.wrong_way = infractions.wrong_way(lane, s.ego_yaw, c.prev_lane, c.prev_lane_yaw, c.prev_junction,
                                             c.wrong_way)
@@ -274,14 +278,14 @@ class SimEnv(BatchedEnv):
             c.off_road = off_road_now
             ending_t = hard_t & self._lb_ending
             terminated = ending_t.any(-1)
-            traffic_speed, has_traffic = criteria.surrounding_speed(s.ego_xy, s.veh.xy, s.veh.speed, s.veh.valid)
-            criteria.update_min_speed(c, s.ego_speed, traffic_speed, has_traffic, s.rc, ~terminated)
+            truncated = (completed | (s.route_idx >= w.route_n[s.route_id] - 1)) & ~terminated
+            traffic_speed, has_traffic = criteria.background_speed(s.veh.speed, s.veh.valid)
+            criteria.update_min_speed(c, w.route_cum[s.route_id, s.route_idx], w.route_len[s.route_id], s.ego_speed,
+                                      traffic_speed, has_traffic, terminated | truncated)
         else:
             ending_t = hard_t
             terminated = hard_t.any(-1)
-        truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
-        if leaderboard:
-            truncated = truncated | ((s.rc >= 100.0) & ~terminated)
+            truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
 
         # soft penalties and the reward
         a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
@@ -428,6 +432,28 @@ class SimEnv(BatchedEnv):
             obs[OBS_BEV] = torch.zeros((1, *spec.shape), dtype=torch.uint8, device=self.device).expand(
                 self.num_envs, *spec.shape)  # no rendering: a broadcast view, no memory
         return obs
+
+    def running_episodes(self) -> dict[str, Tensor]:
+        """``episode/...`` statistics of every row's episode as it stands now (evaluation reports routes still
+        running at its step limit instead of dropping them)."""
+        if self.state is None:
+            raise RuntimeError("call reset() before running_episodes()")
+        none = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+        return self._episode_info(self.state, none, torch.zeros(self.num_envs, len(HARD), dtype=torch.bool,
+                                                                device=self.device), none)
+
+    @property
+    def max_episode_steps(self) -> int:
+        """Steps after which every episode has ended by the rules: CaRL's ``max_time``, or under Leaderboard rules the
+        longest route's timeout at its lowest speed limit (300 s + length / (10 % of the limit))."""
+        if self.cfg.rules == "leaderboard":
+            w = self.world
+            slowest = w.lane_speed[w.route_lane].min().clamp(min=0.1)
+            seconds = criteria.ROUTE_TIMEOUT_BASE + float(w.route_len.max() / (
+                criteria.ROUTE_TIMEOUT_SPEED_FRACTION * slowest))
+        else:
+            seconds = self.cfg.max_time
+        return math.ceil(seconds / self.cfg.dt) + 10
 
     # ------------------------------------------------------------------ resume support
     def state_dict(self) -> dict:

@@ -156,10 +156,10 @@ def wrong_way(lane: dict[str, Tensor], ego_yaw: Tensor, prev_lane: Tensor, prev_
 
     Junctions are never wrong way. Leaving a junction: wrong when the ego heads more than 120 deg off the lane. A lane
     change outside junctions whose lane heading jumps by more than 150 deg (onto the oncoming lane, or back) flips
-    the state. ``prev_*`` describe the lane under the ego at the previous step.
+    the state. ``prev_*`` describe the lane under the ego at the previous step (``prev_lane`` -1: none yet).
     """
     junction = lane["junction"]
-    changed = lane["found"] & (lane["lane"] != prev_lane)
+    changed = lane["found"] & (lane["lane"] != prev_lane) & (prev_lane >= 0)  # -1: the episode's first lane
     exit_junction = changed & prev_junction & ~junction
     flip = changed & ~prev_junction & ~junction & (wrap_angle(lane["lane_yaw"] - prev_lane_yaw).abs()
                                                    > WRONG_WAY_LANE_CHANGE)

@@ -48,8 +48,8 @@ class World:
     group_phases: Tensor  # [G]
     num_junctions: int
     # map lookups through the raster's seg_id
-    seg_start: Tensor  # [P, 2] graph.points
-    seg_end: Tensor  # [P, 2] next point (same lane; equals start at lane ends)
+    seg_start: Tensor  # [P, 2] graph.points (a lane's last point: the point before it)
+    seg_end: Tensor  # [P, 2] next point of the same lane (a lane's last point: itself)
     seg_lane: Tensor  # [P]
     crosswalks: Tensor  # [C, 4, 2]
     # routes
@@ -104,9 +104,17 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     end_dir = np.stack([graph.lane_points(int(l))[-1] - graph.lane_points(int(l))[-2] for l in graph.stop_lane]) \
         if len(graph.stop_lane) else np.zeros((0, 2), np.float32)
     seg_lane = np.repeat(np.arange(L), np.diff(graph.offsets))
-    nxt = np.minimum(np.arange(len(graph.points)) + 1, len(graph.points) - 1)
-    same = seg_lane[nxt] == seg_lane
-    seg_end = np.where(same[:, None], graph.points[nxt], graph.points)
+    # every lane point starts the segment to its successor; a lane's last point reuses its last segment, so no
+    # segment is degenerate (a zero-length one has no direction: lane heading 0 whatever the lane's)
+    idx = np.arange(len(graph.points))
+    nxt = np.minimum(idx + 1, len(graph.points) - 1)
+    prv = np.maximum(idx - 1, 0)
+    last = seg_lane[nxt] != seg_lane
+    last[-1] = True
+    has_prev = seg_lane[prv] == seg_lane
+    has_prev[0] = False
+    seg_start = np.where((last & has_prev)[:, None], graph.points[prv], graph.points)
+    seg_end = np.where(last[:, None], graph.points, graph.points[nxt])
     # routes
     R = max(len(r.points) for r in routes)
     NR = len(routes)
@@ -158,7 +166,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         group_junction=t(graph.light_junction, torch.long), group_phase=t(graph.light_phase, torch.long),
         group_phases=t(graph.light_num_phases, torch.long),
         num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
-        seg_start=t(graph.points), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
+        seg_start=t(seg_start, torch.float32), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
         crosswalks=t(graph.crosswalks),
         route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
         route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
