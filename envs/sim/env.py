@@ -268,7 +268,7 @@ class SimEnv(BatchedEnv):
             "collision_static": hits["static"], "red_light": stops_info[0], "stop_sign": stops_info[1],
             "off_road": infractions.off_road(w, s.ego_xy, s.ego_yaw, self.ego_half, cfg.off_road_fraction),
             "route_deviation": deviated,
-            "blocked": s.still_time > blocked_time,
+            "blocked": s.still_time > blocked_time + 1e-3,  # "more than": robust to the sum of dt in float32
             "timeout": timeout,
         }
         hard_t = torch.stack([hard[k] for k in HARD], -1)

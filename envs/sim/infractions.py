@@ -38,7 +38,10 @@ def route_progress(world: World, route_id: Tensor, idx: Tensor, ego_xy: Tensor) 
     k = (idx.unsqueeze(1) + torch.arange(RC_WINDOW + 1, device=idx.device)).clamp(max=(n - 1).unsqueeze(1))
     rid = route_id.unsqueeze(1).expand_as(k)
     p = world.route_pts[rid, k]
-    fwd = world.route_pts[rid, (k + 1).clamp(max=(n - 1).unsqueeze(1))] - p
+    # the direction of each point: towards the next one; the last point keeps its incoming direction
+    last = k >= (n - 1).unsqueeze(1)
+    fwd = torch.where(last.unsqueeze(-1), p - world.route_pts[rid, (k - 1).clamp(min=0)],
+                      world.route_pts[rid, (k + 1).clamp(max=(n - 1).unsqueeze(1))] - p)
     passed = (fwd * (ego_xy.unsqueeze(1) - p)).sum(-1) > 0
     furthest = torch.where(passed, k, torch.zeros_like(k)).max(1).values
     return torch.maximum(idx, furthest)

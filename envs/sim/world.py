@@ -92,6 +92,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     succ_count = np.diff(graph.succ_offsets)
     lane_stop = np.full(L, -1, np.int64)
     lane_stop[graph.stop_lane] = np.arange(len(graph.stop_lane))
+    graph = graph.with_control_rows()  # no lights/stop lines (roundabouts): an inert row keeps padded indices valid
     spawnable = (~graph.is_junction) & (lens > 10.0)
     if not spawnable.any():
         spawnable = lens > 0

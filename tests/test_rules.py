@@ -1,0 +1,328 @@
+"""CaRL's training rules and Leaderboard 2.0's scoring rules, each pinned by a case whose expectation is computed by
+hand from the rule (``../shared/docs/benchmarks.md`` Part A, ``carl-reference.md`` §1), never by the code under test."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from envs import make_env
+from envs.sim import criteria, infractions
+from envs.sim.criteria import CriteriaState
+from envs.sim.env import SimEnv
+from envs.sim.expert import Expert
+
+SMALL = dict(town_seeds=(0,), num_routes=32, route_length=(150.0, 250.0), bev=False)
+
+
+def frozen_env(rules: str = "leaderboard", **kw) -> SimEnv:
+    """One row, actors frozen where the test puts them (the scene is the test's, the rules are the code's)."""
+    env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": rules, "num_vehicles": 2, "num_pedestrians": 2,
+                                          "num_statics": 2, **kw})
+    env.reset()
+    env._move_actors = lambda s: None
+    env._refresh_actors = lambda s: None
+    for group in (env.state.veh, env.state.ped, env.state.statics):
+        group.valid[:] = False
+    return env
+
+
+def place_ahead(env: SimEnv, kind: str, metres: float) -> None:
+    """Actor 0 of ``kind`` on the ego's heading, ``metres`` ahead of the ego's centre, standing still."""
+    s = env.state
+    fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
+    group = {"vehicle": s.veh, "pedestrian": s.ped, "static": s.statics}[kind]
+    group.xy[:, 0] = s.ego_xy + fwd * metres
+    group.yaw[:, 0] = s.ego_yaw
+    group.valid[:, 0] = True
+    if kind == "vehicle":
+        group.speed[:, 0] = 0.0
+        group.half[:, 0] = torch.tensor([2.3, 1.0])
+    if kind == "static":
+        group.half[:, 0] = torch.tensor([2.3, 1.0])
+
+
+# ------------------------------------------------------------------ Leaderboard coefficients, one case each
+@pytest.mark.parametrize("kind,coefficient,key", [("pedestrian", 0.5, "collision_pedestrian"),
+                                                  ("vehicle", 0.6, "collision_vehicle"),
+                                                  ("static", 0.65, "collision_static")])
+def test_collision_coefficient_and_the_route_goes_on(kind, coefficient, key):
+    env = frozen_env()
+    env.state.ego_speed[:] = 5.0
+    place_ahead(env, kind, 8.0)
+    for _ in range(20):  # 5 m/s coasting closes the 8 m within ~0.6 s
+        r = env.step(torch.zeros(1, 2))
+    ep = env.running_episodes()
+    assert not r.info["done"][0], "a collision does not end a Leaderboard route"
+    assert ep[f"episode/infractions/{key}"][0] == 1.0  # recorded once, not once per tick of overlap
+    assert ep["episode/infraction_score"][0] == pytest.approx(coefficient)
+    group = {"vehicle": env.state.veh, "pedestrian": env.state.ped, "static": env.state.statics}[kind]
+    assert not group.valid[0, 0], "the hit actor must not stay glued to the ego"
+
+
+def drive_through_control(env: SimEnv, control: int, red: bool, steps: int = 600) -> dict[str, float]:
+    """Expert steering, constant throttle, along a route with a stop line of ``control`` (1 light, 2 stop sign)."""
+    w = env.world
+    stops = w.route_ev_stop
+    has = ((stops >= 0) & (w.stop_control[stops.clamp(min=0)] == control)).any(1)
+    route = int(torch.nonzero(has).flatten()[0])
+    env.next_route[:] = route
+    env.cfg.route_split = "eval"  # keep the assignment
+    env.reset()
+    env.next_route[:] = route
+    env.state = env._initial_state(torch.arange(1))
+    if red:
+        env._lights = lambda s, group: (torch.where(group >= 0, 2, 0), torch.zeros_like(group, dtype=torch.float))
+    expert = Expert(env)
+    before = None
+    for _ in range(steps):
+        a = expert(None)
+        a[:, 1] = 0.35
+        env.step(a)
+        ep = env.running_episodes()
+        if ep[f"episode/infractions/{'red_light' if control == 1 else 'stop_sign'}"][0] > 0:
+            return {k: float(v[0]) for k, v in ep.items()}
+        before = ep
+    return {k: float(v[0]) for k, v in before.items()}
+
+
+def test_red_light_coefficient():
+    env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": "leaderboard", "traffic": False})
+    ep = drive_through_control(env, control=1, red=True)
+    assert ep["episode/infractions/red_light"] == 1.0
+    assert ep["episode/infractions/outside_lanes"] == 0.0
+    assert ep["episode/infraction_score"] == pytest.approx(0.7)
+
+
+def test_stop_sign_coefficient():
+    env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": "leaderboard", "traffic": False,
+                                          "procedural": {"signal_fraction": 0.0}})
+    ep = drive_through_control(env, control=2, red=False)
+    assert ep["episode/infractions/stop_sign"] == 1.0
+    assert ep["episode/infractions/outside_lanes"] == 0.0
+    assert ep["episode/infraction_score"] == pytest.approx(0.8)
+
+
+def test_a_stopped_ego_that_is_hit_records_nothing():
+    env = frozen_env()
+    place_ahead(env, "vehicle", 3.0)  # overlapping the standing ego
+    for _ in range(5):
+        env.step(torch.tensor([[0.0, -1.0]]))
+    assert env.running_episodes()["episode/infractions/collision_vehicle"][0] == 0.0
+    assert env.running_episodes()["episode/infraction_score"][0] == 1.0
+
+
+def test_collision_merging_by_place_and_actor():
+    """CollisionTest: same actor within 5 s, or within 5 m of the last collision: one collision."""
+    st = CriteriaState.zeros(1, torch.device("cpu"))
+    veh, ped = torch.tensor([0]), torch.tensor([1])
+    key = lambda c, i: torch.tensor([c * 1_000_000 + i])  # noqa: E731
+    fast = torch.tensor([5.0])
+
+    def hit(cls, k, x, t):
+        return bool(criteria.record_collisions(st, cls, k, torch.tensor([[x, 0.0]]), fast, torch.tensor([t]))[0])
+
+    assert hit(veh, key(0, 3), 0.0, 0.0)  # first: recorded
+    assert not hit(ped, key(1, 0), 4.0, 1.0)  # another actor 4 m away: within 5 m of the last one
+    assert not hit(veh, key(0, 3), 20.0, 4.0)  # the same vehicle 4 s later, far away: same collision
+    assert hit(veh, key(0, 3), 40.0, 5.5)  # the same vehicle 5.5 s later, 40 m away: a new one
+    assert hit(ped, key(1, 0), 46.0, 5.6)  # 6 m from the last one: new
+    assert not hit(veh, key(0, 7), 50.0, 6.0)  # 4 m from the last one: the same collision
+    slow = criteria.record_collisions(st, veh, key(0, 8), torch.tensor([[90.0, 0.0]]), torch.tensor([0.05]),
+                                      torch.tensor([20.0]))
+    assert not bool(slow[0])  # the ego below 0.1 m/s is not at fault
+
+
+def test_mean_of_route_scores_is_not_the_product_of_means():
+    from carl.evaluate import make_record, summarize
+
+    def ep(rc, score):
+        return {"episode/route_completion": rc, "episode/infraction_score": score, "episode/length": 10.0,
+                "episode/termination/route_completed": 1.0}
+
+    records = [make_record(0, "a", ep(100.0, 1.0), 1000.0, "g", 0, 1.0),
+               make_record(1, "b", ep(50.0, 0.5), 1000.0, "g", 1, 1.0)]
+    summary = summarize(records, 2)
+    assert summary["driving_score"] == pytest.approx((100.0 + 25.0) / 2)  # 62.5
+    assert summary["route_completion"] == pytest.approx(75.0)
+    assert summary["infraction_score"] == pytest.approx(0.75)
+    assert summary["route_completion"] * summary["infraction_score"] == pytest.approx(56.25)  # != 62.5
+    assert summary["km"] == pytest.approx(1.0 + 0.5)  # km driven: length x RC
+
+
+def test_route_timeout_formula():
+    """300 s plus, per metre of progress, 1 / (10 % of the speed limit) seconds."""
+    st = CriteriaState.zeros(2, torch.device("cpu"))
+    criteria.extend_timeout(st, torch.tensor([100.0, 50.0]), torch.tensor([50 / 3.6, 30 / 3.6]))
+    criteria.extend_timeout(st, torch.tensor([0.0, 50.0]), torch.tensor([50 / 3.6, 90 / 3.6]))
+    assert st.timeout[0] == pytest.approx(300 + 100 / (0.1 * 50 / 3.6))  # 372.0 s
+    assert st.timeout[1] == pytest.approx(300 + 50 / (0.1 * 30 / 3.6) + 50 / (0.1 * 90 / 3.6))  # 380.0 s
+
+
+def test_route_timeout_ends_a_creeping_route():
+    """An ego creeping at v m/s under limit L gets T = 300 + v T / (0.1 L), i.e. T = 300 / (1 - v / (0.1 L))."""
+    env = frozen_env(dt=1.0)  # 1 s ticks keep the test short
+    limit = 10.0
+    env.world = dataclasses.replace(env.world, lane_speed=torch.full_like(env.world.lane_speed, limit))
+    w, s = env.world, env.state
+    v = 0.25
+
+    def creep(state, action):  # the ego slides along its route at exactly v
+        k = (state.route_idx + 1).clamp(max=int(w.route_n[state.route_id[0]]) - 1)
+        d = w.route_pts[state.route_id, k] - state.ego_xy
+        state.ego_xy = state.ego_xy + d / d.norm(dim=-1, keepdim=True) * v * env.cfg.dt
+        state.ego_yaw = torch.atan2(d[:, 1], d[:, 0])
+        state.ego_speed = torch.full_like(state.ego_speed, v)
+
+    env._move_ego = creep
+    expected = 300.0 / (1.0 - v / (0.1 * limit))  # 400 s
+    assert expected < float(w.route_len[s.route_id[0]]) / v  # it times out before it arrives
+    for _ in range(int(expected) + 20):
+        r = env.step(torch.zeros(1, 2))
+        if r.info["done"][0]:
+            break
+    assert r.info["episode/termination/timeout"][0] == 1.0
+    assert r.info["episode/length"][0] * 1.0 == pytest.approx(expected, abs=5.0)  # credit per 1 m route point
+
+
+@pytest.mark.parametrize("rules,seconds", [("leaderboard", 180.0), ("carl", 90.0)])
+def test_blocked_time(rules, seconds):
+    env = frozen_env(rules, dt=0.5)
+    for _ in range(int(seconds * 2) + 20):
+        r = env.step(torch.tensor([[0.0, -1.0]]))
+        if r.info["done"][0]:
+            break
+    assert r.info["episode/termination/blocked"][0] == 1.0
+    assert r.info["episode/length"][0] == int(seconds * 2) + 1  # still for more than `seconds`
+
+
+def test_min_speed_checkpoints():
+    """Route 400 m: checkpoints when 100 m more were reached; pct = ego mean / traffic mean; factor 1 - 0.3 (1 - pct)."""
+    st = CriteriaState.zeros(1, torch.device("cpu"))
+    L = torch.tensor([400.0])
+
+    def tick(route_m, ego, traffic, has=True, ends=False):
+        return bool(criteria.update_min_speed(st, torch.tensor([route_m]), L, torch.tensor([ego]),
+                                              torch.tensor([traffic]), torch.tensor([has]), torch.tensor([ends]))[0])
+
+    for m in range(0, 101, 10):  # first quarter: ego 5, traffic 10
+        assert not tick(float(m), 5.0, 10.0)
+    assert tick(101.0, 9.0, 9.0)  # > 100 m: scored before this tick's sample: 50 % -> 0.85
+    for m in range(110, 202, 10):  # second quarter: as fast as the traffic
+        assert not tick(float(m), 9.0, 9.0)
+    assert not tick(202.0, 0.0, 0.0, has=False)  # 100 %: no infraction
+    for m in range(210, 302, 10):  # third quarter: no traffic at all
+        assert not tick(float(m), 0.0, 0.0, has=False)
+    assert not tick(303.0, 2.0, 8.0)  # no samples -> 100 %
+    for m in range(310, 380, 10):
+        tick(float(m), 2.0, 8.0)
+    assert tick(390.0, 2.0, 8.0, ends=True)  # the route ends at 97.5 % > 95 %: 25 % -> 0.775
+    assert int(st.ms_events) == 2
+    assert float(st.ms_factor) == pytest.approx(0.85 * 0.775)
+
+
+def test_completed_route_counts_as_100_and_every_route_ends():
+    env = make_env("sim", 2, "cpu", 0, **{**SMALL, "rules": "leaderboard", "traffic": False, "route_split": "eval",
+                                          "route_length": (60.0, 90.0)})
+    expert = Expert(env)
+    obs = env.reset()
+    done = {}
+    for _ in range(env.max_episode_steps):
+        r = env.step(expert(obs))
+        obs = r.obs
+        for b in torch.nonzero(r.info["done"]).flatten().tolist():
+            done.setdefault(b, float(r.info["episode/route_completion"][b]))
+        if len(done) == 2:
+            break
+    assert sorted(done.values()) == [100.0] * 2
+
+
+# ------------------------------------------------------------------ CaRL's training rules
+def test_route_completion_advances_over_the_next_three_points():
+    w = straight_route_world(frozen_env("carl"))
+    rid, zero = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    progress = lambda x, idx=zero: int(infractions.route_progress(w, rid, idx, torch.tensor([[x, 3.0]]))[0])  # noqa
+    assert progress(10.5) == 2  # 10 points passed: only the next 3 (0, 1, 2) are looked at
+    assert progress(1.5) == 1  # points 0 and 1 passed (positive dot product), point 2 not
+    assert progress(-0.5) == 0  # behind the start
+    assert progress(4.5, torch.tensor([3])) == 4  # never backwards, furthest passed in 3..5
+
+
+def straight_route_world(env: SimEnv, points: int = 200):
+    """The env's world with one straight route along +x, 1 m between points."""
+    x = torch.arange(points, dtype=torch.float32)
+    pts = torch.stack((x, torch.zeros_like(x)), -1).unsqueeze(0)
+    return dataclasses.replace(env.world, route_pts=pts, route_cum=x.unsqueeze(0), route_len=x[-1:].clone(),
+                               route_n=torch.tensor([points]))
+
+
+def test_route_deviation_both_rules():
+    env = frozen_env("carl")
+    w = straight_route_world(env)  # 199 m long
+    rid, zero = torch.zeros(1, dtype=torch.long), torch.zeros(1)
+
+    def check(xy, idx, out):
+        return infractions.route_deviation(w, rid, idx, torch.tensor([xy]), out, 15.0, 30.0, 0.3)
+
+    # rule 1: 30 m from the nearest point -> deviated at once; 29.9 m -> not
+    assert bool(check([5.0, 30.0], rid, zero)[0][0])
+    assert not bool(check([5.0, 29.9], rid, zero)[0][0])
+    # rule 2: 20 m beside the route, the route progress made there counts; 0.3 x 199 m = 59.7 m: fires at x = 60
+    idx, out = rid.clone(), zero.clone()
+    for k in range(1, 199):
+        dev, idx, out, _ = check([float(k), 20.0], idx, out)
+        assert int(idx[0]) == k
+        if bool(dev[0]):
+            break
+    assert k == 60 and float(out[0]) == 60.0
+    # 14 m beside it is "safe": never deviated
+    idx, out = rid.clone(), zero.clone()
+    for k in range(1, 199):
+        dev, idx, out, _ = check([float(k), 14.0], idx, out)
+        assert not bool(dev[0])
+    # the window: a jump of 8 points ahead reaches only 5 of them
+    assert int(check([8.0, 0.0], rid, zero)[1][0]) == 5
+
+
+def test_wrong_way_rule():
+    def lane(idx, yaw, junction):
+        return {"lane": torch.tensor([idx]), "lane_yaw": torch.tensor([yaw]), "junction": torch.tensor([junction]),
+                "found": torch.tensor([True])}
+
+    def step(lane_now, ego_yaw, prev, active):
+        return bool(infractions.wrong_way(lane_now, torch.tensor([ego_yaw]), torch.tensor([prev[0]]),
+                                          torch.tensor([prev[1]]), torch.tensor([prev[2]]), torch.tensor([active]))[0])
+
+    deg = math.radians
+    # a lane change outside junctions onto a lane heading 180 deg the other way flips to wrong, and back
+    assert step(lane(2, deg(180), False), 0.0, (1, 0.0, False), False)
+    assert not step(lane(1, 0.0, False), deg(180), (2, deg(180), False), True)
+    # a 140 deg lane-heading jump is not enough (> 150 needed)
+    assert not step(lane(2, deg(140), False), 0.0, (1, 0.0, False), False)
+    # leaving a junction: wrong when heading more than 120 deg off the lane
+    assert step(lane(3, 0.0, False), deg(130), (9, deg(90), True), False)
+    assert not step(lane(3, 0.0, False), deg(110), (9, deg(90), True), False)
+    # inside a junction: never wrong way
+    assert not step(lane(9, 0.0, True), deg(180), (3, 0.0, False), True)
+    # the same lane: the state holds
+    assert step(lane(2, deg(180), False), 0.0, (2, deg(180), False), True)
+
+
+def test_ttc_sees_every_actor():
+    """The one actor on a collision course is the farthest of 12; a nearest-6 cap would miss it."""
+    B, N = 1, 12
+    xy = torch.zeros(B, N, 2)
+    xy[0, :11, 0] = torch.arange(11) * 1.0 - 12.0  # parked behind the ego
+    xy[0, :11, 1] = 6.0
+    xy[0, 11] = torch.tensor([16.0, 0.0])  # ahead on the ego's path, oncoming at 10 m/s
+    yaw = torch.zeros(B, N)
+    yaw[0, 11] = math.pi
+    speed = torch.zeros(B, N)
+    speed[0, 11] = 10.0
+    half = torch.tensor([2.3, 1.0]).expand(B, N, 2)
+    hit = infractions.ttc_violation(torch.zeros(B, 2), torch.zeros(B), torch.tensor([8.0]), torch.tensor([[2.45, 1.05]]),
+                                    xy, yaw, speed, half, torch.ones(B, N, dtype=torch.bool), (0.1, 0.3, 0.5, 0.7, 0.9))
+    # gap 16 - 2.45 - 2.3 = 11.25 m closing at 18 m/s: overlap by 0.7 s
+    assert bool(hit[0])
