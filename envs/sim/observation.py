@@ -133,10 +133,10 @@ def gear(speed: Tensor) -> Tensor:
 
 
 def measurements(s, speed_limit: Tensor) -> Tensor:
-    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity (forward, right: CARLA's
-    left-handed frame), forward speed, speed limit."""
+    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity (forward, lateral), forward
+    speed, speed limit. Lateral quantities are positive to the left, like carl's steer (CaRL's CARLA frame: right)."""
     vx, v_left = s.ego_vel_local.unbind(-1)
-    return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], s.gear, vx, -v_left,
+    return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], s.gear, vx, v_left,
                         vx, speed_limit), -1)
 
 

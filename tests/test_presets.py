@@ -1,0 +1,61 @@
+"""Every preset's BEV geometry is what docs/training.md says it is (the table between the bev-geometry markers)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from carl.train import compose_config
+from envs.sim.config import SimConfig
+from envs.sim.raster import BevConfig, world_to_bev
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "training.md"
+
+
+def documented() -> dict[str, tuple[float, ...]]:
+    text = DOC.read_text()
+    table = text.split("<!-- bev-geometry -->")[1].split("<!-- /bev-geometry -->")[0]
+    rows = {}
+    for line in table.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = cells[0].strip("`")
+        behind, ahead, side = (float(x) for x in re.findall(r"[\d.]+", cells[4])[:3])
+        rows[name] = (int(cells[1]), float(cells[2]), int(cells[3]), behind, ahead, side)
+    return rows
+
+
+def composed_geometry(preset: str) -> tuple[int, float, int]:
+    cfg = compose_config([] if preset == "(none)" else [f"+experiment={preset}"])
+    options = cfg["env"]["options"]
+    if "sim" in options:  # nuPlan: SimConfig overrides
+        options = options["sim"]
+    d = SimConfig()
+    return (options.get("bev_size", d.bev_size), float(options.get("bev_ppm", d.bev_ppm)),
+            options.get("bev_ego_from_bottom", d.bev_ego_from_bottom))
+
+
+@pytest.mark.parametrize("preset", ["quick", "(none)", "carl_carla", "carl_nuplan"])
+def test_preset_bev_geometry_matches_the_docs(preset):
+    doc = documented()
+    assert preset in doc, f"docs/training.md has no BEV geometry row for {preset}"
+    size, ppm, from_bottom, behind, ahead, side = doc[preset]
+    assert composed_geometry(preset) == (size, ppm, from_bottom)
+    # the metres the table states follow from the pixels: ego row = size - 1 - from_bottom
+    bc = BevConfig(size=size, ppm=ppm, ego_from_bottom=from_bottom)
+    assert (bc.size - 1 - bc.ego_row) / ppm == pytest.approx(behind)
+    assert (bc.ego_row + 1) / ppm == pytest.approx(ahead)
+    assert bc.ego_col / ppm == pytest.approx(side)
+
+
+def test_carla_presets_use_carls_geometry():
+    """CaRL: 256 x 256 at 2 px/m, ego 100 px above the bottom edge (50 m behind, 78 m ahead)."""
+    import torch
+
+    for preset in ("carl_carla", "carl_nuplan"):
+        assert composed_geometry(preset) == (256, 2.0, 100)
+    bc = BevConfig(256, 2.0, 100)
+    ego = torch.zeros(1, 2)
+    col_row = world_to_bev(torch.tensor([[[77.5, 0.0], [-49.5, 0.0]]]), ego, torch.zeros(1), bc)[0]
+    assert 0 <= col_row[0, 1] < 1.0  # 77.5 m ahead: the top row
+    assert 254.0 <= col_row[1, 1] < 256.0  # 49.5 m behind: the bottom row
