@@ -8,9 +8,9 @@ import pytest
 
 from carl.evaluate import EvalError, compose, main, run
 
-# 2 short procedural routes, episodes capped at 8 s: a few seconds per run on a laptop core
+# 2 short procedural routes, driven for at most 12 s (routes still running then are reported as they stand)
 SHORT = ["benchmark=towns", "benchmark.num_routes=2", "+benchmark.options.route_length=[15,25]",
-         "+benchmark.options.max_time=8", "+benchmark.options.num_vehicles=2", "+benchmark.options.num_pedestrians=1",
+         "benchmark.max_steps=120", "+benchmark.options.num_vehicles=2", "+benchmark.options.num_pedestrians=1",
          "worst_videos=0", "torch_threads=1"]
 
 
@@ -101,3 +101,21 @@ def test_checkpoint_policy_with_baselines(tmp_path: Path) -> None:
     assert [r.split(",")[0] for r in rows[1:]] == ["run/last", "random", "expert"]
     for name in ("random", "expert"):
         assert json.loads((out / "baselines" / name / "summary.json").read_text())["routes"] == 2
+
+
+def test_routes_still_running_at_max_steps_are_reported(tmp_path: Path) -> None:
+    """A step limit below the routes' length reports every route as it stands, none is dropped."""
+    out = tmp_path / "cut"
+    summary, lines = evaluate(out, "policy=expert", "benchmark.max_steps=15")
+    records = json.loads((out / "results.json").read_text())["_checkpoint"]["records"]
+    assert len(records) == 2 and summary["routes"] == 2
+    for r in records:
+        assert r["meta"]["termination"] == "max_steps" and r["status"].startswith("Failed - Still running")
+        assert 0 < r["scores"]["score_route"] < 100  # the progress made in 1.5 s
+        assert r["meta"]["duration_game"] == pytest.approx(1.5)
+
+
+def test_leaderboard_rules_are_the_default_and_carl_rules_an_option() -> None:
+    for bench in ("towns", "longest6", "longest6_carla"):
+        assert compose("eval", [f"benchmark={bench}"])["benchmark"]["options"]["rules"] == "leaderboard"
+    assert compose("eval", ["benchmark.options.rules=carl"])["benchmark"]["options"]["rules"] == "carl"
