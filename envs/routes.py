@@ -60,6 +60,27 @@ class RouteError(ValueError):
     """A route that cannot be made, planned or loaded; the message names the route (and file / keypoint)."""
 
 
+class Keypoints(np.ndarray):
+    """Route keypoints [K, 2] (our frame) that remember where they were read: ``source`` (the route file) and
+    ``route_id``. :func:`parse_leaderboard_xml` returns them, so that :func:`plan_route` errors name the file and
+    route whoever calls it. Behaves like any float64 array; slicing keeps the attributes."""
+
+    source: str | None
+    route_id: str | None
+
+    def __new__(cls, xy: np.ndarray, source: str | None = None, route_id: str | None = None) -> "Keypoints":
+        obj = np.asarray(xy, dtype=np.float64).view(cls)
+        obj.source, obj.route_id = source, route_id
+        return obj
+
+    def __array_finalize__(self, obj) -> None:
+        self.source = getattr(obj, "source", None)
+        self.route_id = getattr(obj, "route_id", None)
+
+    def __reduce__(self):
+        return Keypoints, (np.asarray(self), self.source, self.route_id)
+
+
 @dataclass
 class Route:
     """A dense route: ``points`` [R, 2] float32 (~1 m apart, along lane centres, driving direction) and
@@ -378,8 +399,13 @@ def random_routes(graph: LaneGraph, n: int, length_range: tuple[float, float], s
     while len(routes) < n:
         attempts += 1
         if attempts > max_attempts:
+            dead = sum(1 for x in succ if not x)
+            shorter = f"[{max(10.0, lo / 4):.0f}, {max(10.0, hi / 4):.0f}]"
             raise RouteError(f"random routes on map '{graph.name}': only {len(routes)} of {n} routes of "
-                             f"{lo:.0f}-{hi:.0f} m found in {max_attempts} attempts (dead ends everywhere?)")
+                             f"{lo:.0f}-{hi:.0f} m found in {max_attempts} attempts: walks run into dead ends "
+                             f"({dead} of {graph.num_lanes} lanes have no successor; lanes total "
+                             f"{float(lane_len.sum()):.0f} m). Fix: shorter routes (env.route_length={shorter}), or "
+                             "a map whose lanes all continue (a loop, or turnarounds at road ends)")
         target = rng.uniform(lo, hi)
         lane = int(starts[min(int(np.searchsorted(cdf, rng.random())), len(starts) - 1)])
         s = rng.uniform(0.0, float(lane_len[lane]))
@@ -435,7 +461,7 @@ class _Place:
     s: float
 
 
-def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, name: str, k: int,
+def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, who: str, k: int,
                 off_lane_cost: float = OFF_LANE_COST) -> list[tuple[_Place, float]]:
     """Lane positions a keypoint may snap to, each with a penalty cost.
 
@@ -447,8 +473,15 @@ def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, name: 
     """
     near = idx.lanes_near(p, SNAP_RADIUS)
     if not near:
-        raise RouteError(f"route '{name}': keypoint {k} at ({p[0]:.1f}, {p[1]:.1f}) is more than "
-                         f"{SNAP_RADIUS:.0f} m from every lane centre (wrong town or frame?)")
+        d = np.linalg.norm(idx.pts - p, axis=1)
+        j = int(np.argmin(d))
+        cx, cy = carla_to_world(float(p[0]), float(p[1]))  # the flip is its own inverse: our frame -> CARLA's
+        raise RouteError(
+            f"{who}: keypoint {k} at ({p[0]:.1f}, {p[1]:.1f}) (CARLA x={cx:.1f}, y={cy:.1f}) is {d[j]:.1f} m from "
+            f"the nearest lane centre (lane {int(idx.point_lane[j])} at ({idx.pts[j, 0]:.1f}, {idx.pts[j, 1]:.1f})); "
+            f"keypoints must lie within {SNAP_RADIUS:.0f} m of a lane. Fix: check that the route is for this map "
+            "(its town attribute), that the file uses CARLA's coordinates (y is flipped on reading), or move the "
+            "keypoint onto a driving lane")
     ranked = sorted(near.items(), key=lambda kv: kv[1][1])
     best_lane, (best_s, d_min) = ranked[0]
     tol = JUNCTION_SNAP_TOLERANCE if is_junction[best_lane] else SNAP_TOLERANCE
@@ -573,14 +606,16 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
     CARLA's GlobalRoutePlanner effectively does. The result is densified to ~1 m along lane centres; lane changes
     are smooth ~10 m lateral transitions. Raises :class:`RouteError` naming the route and keypoint index.
     """
+    source, route_id = getattr(keypoints, "source", None), getattr(keypoints, "route_id", None)
+    who = f"route file {source}: route {route_id} ('{name}')" if source else f"route '{name}'"
     kps = np.asarray(keypoints, dtype=np.float64)
     if kps.ndim != 2 or kps.shape[1] < 2 or len(kps) < 2 or not np.isfinite(kps[:, :2]).all():
-        raise RouteError(f"route '{name}': need >= 2 finite (x, y) keypoints, got an array of shape {kps.shape}")
+        raise RouteError(f"{who}: need >= 2 finite (x, y) keypoints, got an array of shape {kps.shape}")
     kps = kps[:, :2]
     idx = _index(graph)
     # passing a keypoint one lane over must cost more than the lane change that would avoid it
     off_lane_cost = OFF_LANE_COST + 2.0 * lane_change_cost
-    cands = [_candidates(idx, graph.is_junction, p, name, k, off_lane_cost) for k, p in enumerate(kps)]
+    cands = [_candidates(idx, graph.is_junction, p, who, k, off_lane_cost) for k, p in enumerate(kps)]
     # layer state: per candidate of the last kept keypoint, (cost so far, segments so far)
     layer: list[tuple[float, list[Segment]] | None] = [(pen, []) for _, pen in cands[0]]
     layer_k = 0
@@ -599,7 +634,7 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
         if all(x is None for x in new):
             if k < len(kps) - 1 and any(graph.is_junction[c.lane] for c, _ in cands[k]):
                 continue  # unreachable junction keypoint: skip it
-            raise RouteError(f"route '{name}': keypoint {layer_k} ({kps[layer_k][0]:.1f}, {kps[layer_k][1]:.1f}) "
+            raise RouteError(f"{who}: keypoint {layer_k} ({kps[layer_k][0]:.1f}, {kps[layer_k][1]:.1f}) "
                              f"cannot be connected to keypoint {k} ({kps[k][0]:.1f}, {kps[k][1]:.1f}) "
                              "along the lane graph")
         layer, layer_k = new, k
@@ -641,7 +676,7 @@ def parse_leaderboard_xml(path: str | Path) -> list[tuple[str, str, np.ndarray]]
         if not np.isfinite(xy).all():
             raise RouteError(f"route file {path}: route {rid} has non-finite waypoint coordinates")
         x, y = carla_to_world(xy[:, 0], xy[:, 1])
-        out.append((rid, town, np.stack([x, y], axis=1)))
+        out.append((rid, town, Keypoints(np.stack([x, y], axis=1), source=str(path), route_id=rid)))
     return out
 
 
@@ -661,5 +696,7 @@ def load_leaderboard_routes(path: str | Path, graph_for_town: Callable[[str], La
         try:
             routes.append(plan_route(graphs[town], kps, name=f"{town}_{rid}", lane_change_cost=lane_change_cost))
         except RouteError as e:
-            raise RouteError(f"route file {path}: route {rid}: {e}") from e
+            msg = str(e)  # plan_route names the file and route already when the keypoints come from the parser
+            raise RouteError(msg if msg.startswith(f"route file {path}:") else f"route file {path}: route {rid}: {msg}"
+                             ) from e
     return routes

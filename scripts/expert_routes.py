@@ -1,10 +1,12 @@
-"""Drive the rule-based expert over procedural routes or Leaderboard routes on CARLA towns, in the built-in simulator.
+"""Drive the rule-based expert over procedural routes, Leaderboard routes on CARLA towns, or random routes on any
+map file, in the built-in simulator.
 
 Proves routes are drivable (traffic off) and reports the expert's driving score (traffic on). One JSON line per
 route, then one summary line per town and overall.
 
     python scripts/expert_routes.py --routes ../shared/data/carla/routes/longest6_v2.xml [--traffic]
     python scripts/expert_routes.py --procedural 64 [--traffic]
+    python scripts/expert_routes.py --map my_map.xodr --random 32 [--traffic]   # also a Town name or a .npz graph
 """
 from __future__ import annotations
 
@@ -51,12 +53,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--routes", help="Leaderboard route XML (CARLA towns)")
     p.add_argument("--procedural", type=int, default=0, help="number of held-out procedural routes")
+    p.add_argument("--map", help="a map (.xodr file, CARLA town name or lane-graph .npz) for --random routes")
+    p.add_argument("--random", type=int, default=0, help="number of random routes on --map (the eval route seed)")
     p.add_argument("--traffic", action="store_true")
     p.add_argument("--max-steps", type=int, default=12000)
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    if not args.routes and not args.procedural:
-        p.error("give --routes FILE or --procedural N")
+    if not args.routes and not args.procedural and not args.map:
+        p.error("give --routes FILE, --procedural N or --map MAP --random N")
+    if args.map and args.random < 1:
+        p.error("--map needs --random N (N >= 1)")
     options = dict(traffic=args.traffic, bev=False, max_time=1e5 if not args.traffic else 1200.0)
     everything = []
     t_all = time.time()
@@ -71,6 +77,12 @@ def main() -> None:
                 print(json.dumps(e), flush=True)
             print(json.dumps(summary(town, episodes, time.time() - t0)), flush=True)
             everything += episodes
+    elif args.map:
+        env = make_env("sim", args.random, args.device, 0, map=args.map, route_split="eval", num_routes=args.random,
+                       **options)
+        everything = drive(env, args.max_steps)
+        for e in everything:
+            print(json.dumps(e), flush=True)
     else:
         env = make_env("sim", args.procedural, args.device, 0, route_split="eval", num_routes=args.procedural, **options)
         everything = drive(env, args.max_steps)

@@ -319,3 +319,30 @@ def test_longest6_v2_plans_on_carla_towns():
         _check_spacing(r)
         d = np.linalg.norm(kps[:, None, :] - r.points[None].astype(np.float64), axis=2).min(1)
         assert d.max() < 5.0  # passes every keypoint (at most one lane over)
+
+
+def test_route_file_keypoint_off_every_lane_names_file_route_and_fix(tmp_path: Path):
+    """A Leaderboard file whose keypoint lies off every lane: the error names the file, the route id, the keypoint
+    (index and coordinates in both frames), the distance to the nearest lane and the fix -- also when the caller
+    plans the parsed keypoints itself (as the simulator and the CARLA worker do)."""
+    g, _ = cross_graph()
+    f = _write(tmp_path, "<routes><route id='12' town='Cross'><waypoints>"
+                         "<position x='-60' y='1.75' z='0'/><position x='0' y='-300' z='0'/>"
+                         "</waypoints></route></routes>", "offlane.xml")
+    (rid, town, kps), = parse_leaderboard_xml(f)
+    assert kps.source == str(f) and kps.route_id == "12"
+    with pytest.raises(RouteError) as e:
+        plan_route(g, kps, name=f"{town}_{rid}")
+    msg = str(e.value)
+    for part in (str(f), "route 12", "'Cross_12'", "keypoint 1 at (0.0, 300.0)", "CARLA x=0.0, y=-300.0",
+                 "190.0 m from the nearest lane centre", "Fix:"):
+        assert part in msg, (part, msg)
+    with pytest.raises(RouteError) as e:
+        load_leaderboard_routes(f, lambda town: g)
+    assert str(e.value).count("route file") == 1 and "keypoint 1" in str(e.value)
+    # Keypoints stay plain float arrays for everything else (slicing, arithmetic, pickling keep them usable)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(kps))
+    assert again.source == str(f) and np.array_equal(np.asarray(again), np.asarray(kps))
+    assert isinstance(kps[:, :2] + 1.0, np.ndarray)

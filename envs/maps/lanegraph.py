@@ -7,16 +7,22 @@ Every map source (procedural towns, OpenDRIVE through ``carla.Map``, nuPlan GeoP
 
 Frame: right-handed, metres, x east, y north, yaw counter-clockwise from +x. Loaders of left-handed sources
 (CARLA) flip y before building.
+
+Format versions: 1 stored one width per lane; 2 adds ``point_width`` (the lane width at every lane point, for lanes
+whose width changes along them, e.g. OpenDRIVE cubic width polynomials). Version-1 files still load: their
+``point_width`` is empty and :meth:`LaneGraph.point_widths` falls back to the lane widths.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Format versions :meth:`LaneGraph.load` reads (older ones are upgraded on load).
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 # Lane-marking types stored per lane boundary.
 MARK_NONE, MARK_BROKEN, MARK_SOLID = 0, 1, 2
@@ -42,6 +48,7 @@ class Lane:
     left_marking: int = MARK_SOLID
     right_marking: int = MARK_SOLID
     junction: int = -1  # junction id for junction lanes (and for lanes ending at a junction: see stop lines)
+    widths: np.ndarray | None = None  # [N] width at every point of ``points`` (None: ``width`` everywhere)
 
 
 @dataclass
@@ -67,7 +74,9 @@ class LaneGraph:
     """Compiled lane graph (numpy arrays). Build with :meth:`build`; save/load with :meth:`save`/:meth:`load`.
 
     Lanes are concatenated polylines resampled to at most ``max_spacing`` metres: lane ``i`` owns
-    ``points[offsets[i]:offsets[i+1]]``. Links are CSR arrays.
+    ``points[offsets[i]:offsets[i+1]]``. Links are CSR arrays. ``width`` is one representative width per lane (the
+    loader's median); ``point_width`` (format 2) is the width at every point, linearly interpolated between the
+    loader's samples -- read it through :meth:`point_widths`, which also serves graphs without it.
     """
 
     name: str
@@ -95,6 +104,8 @@ class LaneGraph:
     shoulder_width: np.ndarray  # [S] float32
     speed_signs: np.ndarray  # [Z, 3] float32 (x, y, limit m/s)
     meta: dict = field(default_factory=dict)
+    # [P] float32 lane width at every point (format 2); empty = ``width`` of the point's lane everywhere
+    point_width: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -114,7 +125,7 @@ class LaneGraph:
         if not lanes:
             raise MapError(f"map '{name}': no driving lanes; a map needs at least one lane")
         n = len(lanes)
-        pts, offs = [], [0]
+        pts, offs, pws = [], [0], []
         for i, lane in enumerate(lanes):
             p = np.asarray(lane.points, dtype=np.float64)
             if p.ndim != 2 or p.shape[1] != 2 or len(p) < 2 or not np.isfinite(p).all():
@@ -122,11 +133,20 @@ class LaneGraph:
                                "(need >= 2 finite (x, y) points)")
             if lane.width <= 0 or not np.isfinite(lane.width):
                 raise MapError(f"map '{name}': lane {i} has width {lane.width}; widths must be > 0")
+            if lane.widths is None:
+                w = np.full(len(p), float(lane.width))
+            else:
+                w = np.asarray(lane.widths, dtype=np.float64)
+                if w.shape != (len(p),) or not np.isfinite(w).all() or (w <= 0).any():
+                    raise MapError(f"map '{name}': lane {i} has per-point widths of shape {w.shape} (min "
+                                   f"{np.nanmin(w) if w.size else 'n/a'}); need one finite width > 0 per point "
+                                   f"({len(p)} points)")
             for j in (*lane.successors, lane.left, lane.right):
                 if j >= n or j < -1:
                     raise MapError(f"map '{name}': lane {i} links to lane {j}, but the map has {n} lanes")
-            p = resample_polyline(p, max_spacing)
+            p, w = resample_polyline_values(p, w, max_spacing)
             pts.append(p)
+            pws.append(w)
             offs.append(offs[-1] + len(p))
         succ_off, succ_idx = [0], []
         for lane in lanes:
@@ -173,6 +193,7 @@ class LaneGraph:
             speed_signs=(np.zeros((0, 3), np.float32) if speed_signs is None
                          else np.asarray(speed_signs, np.float32).reshape(-1, 3)),
             meta=dict(meta or {}),
+            point_width=np.concatenate(pws).astype(np.float32),
         )
 
     # ------------------------------------------------------------------ queries
@@ -182,6 +203,18 @@ class LaneGraph:
 
     def lane_points(self, i: int) -> np.ndarray:
         return self.points[self.offsets[i]:self.offsets[i + 1]]
+
+    def point_widths(self) -> np.ndarray:
+        """[P] float32 lane width at every point of ``points`` (``point_width``, else each lane's ``width``)."""
+        if len(self.point_width) == len(self.points):
+            return self.point_width
+        return np.repeat(self.width.astype(np.float32), np.diff(self.offsets))
+
+    def lane_widths(self, i: int) -> np.ndarray:
+        """Width at every point of lane ``i`` (see :meth:`point_widths`)."""
+        if len(self.point_width) == len(self.points):
+            return self.point_width[self.offsets[i]:self.offsets[i + 1]]
+        return np.full(int(self.offsets[i + 1] - self.offsets[i]), self.width[i], np.float32)
 
     def successors(self, i: int) -> np.ndarray:
         return self.succ_index[self.succ_offsets[i]:self.succ_offsets[i + 1]]
@@ -193,6 +226,24 @@ class LaneGraph:
             for j in self.successors(i):
                 pred[int(j)].append(i)
         return pred
+
+    def with_control_rows(self) -> "LaneGraph":
+        """This graph, or a shallow copy with one inert stop line / light group where it has none.
+
+        Maps without traffic lights or stop lines (roundabouts, motorways, loops) have empty control arrays; code
+        that indexes them with padded indices (0 for "none") needs at least one row. The added stop line sits at
+        the end of lane 0 with ``CONTROL_NONE`` and no light group, the added light group is phase 0 of 1 at
+        junction 0; callers must map lanes to stop lines from the *original* ``stop_lane`` (so no lane or route
+        refers to the inert row).
+        """
+        changes: dict[str, np.ndarray] = {}
+        if len(self.stop_lane) == 0:
+            changes.update(stop_lane=np.zeros(1, np.int32), stop_control=np.full(1, CONTROL_NONE, np.uint8),
+                           stop_light_group=np.full(1, -1, np.int32))
+        if len(self.light_junction) == 0:
+            changes.update(light_junction=np.zeros(1, np.int32), light_phase=np.zeros(1, np.int32),
+                           light_num_phases=np.ones(1, np.int32))
+        return replace(self, **changes) if changes else self
 
     def lane_lengths(self) -> np.ndarray:
         d = np.linalg.norm(np.diff(self.points, axis=0), axis=1)
@@ -229,22 +280,31 @@ class LaneGraph:
                 arrays = {k: z[k] for k in z.files if k != "__header__"}
         except Exception as e:  # noqa: BLE001 - any unreadable file gets the same actionable message
             raise MapError(f"map file {path} is not a readable carl lane graph ({e}); rebuild it") from e
-        if header.get("version") != FORMAT_VERSION:
+        if header.get("version") not in READABLE_FORMAT_VERSIONS:
             raise MapError(f"map file {path} has format version {header.get('version')}, this carl reads "
-                           f"version {FORMAT_VERSION}; delete the file to rebuild it")
-        return cls(name=header["name"], meta=header.get("meta", {}), **arrays)
+                           f"versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))}; delete the file to rebuild it")
+        known = {f.name for f in fields(cls)}
+        return cls(name=header["name"], meta=header.get("meta", {}), **{k: v for k, v in arrays.items() if k in known})
 
 
 def resample_polyline(p: np.ndarray, max_spacing: float) -> np.ndarray:
     """Insert points so no segment is longer than ``max_spacing``; drops repeated points."""
+    return resample_polyline_values(p, np.zeros(len(p)), max_spacing)[0]
+
+
+def resample_polyline_values(p: np.ndarray, values: np.ndarray, max_spacing: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`resample_polyline` that carries a per-point value along (linear interpolation on inserted points;
+    of repeated points the first one's value is kept)."""
     keep = np.concatenate([[True], np.linalg.norm(np.diff(p, axis=0), axis=1) > 1e-6])
-    p = p[keep]
+    p, values = p[keep], np.asarray(values, np.float64)[keep]
     if len(p) < 2:
         raise MapError("polyline collapses to a single point")
     seg = np.linalg.norm(np.diff(p, axis=0), axis=1)
-    n_sub = np.maximum(1, np.ceil(seg / max_spacing).astype(int))
-    out = [p[:1]]
-    for a, b, k in zip(p[:-1], p[1:], n_sub):
-        t = (np.arange(1, k + 1) / k)[:, None]
-        out.append(a + (b - a) * t)
-    return np.concatenate(out)
+    n_sub = np.maximum(1, np.ceil(seg / max_spacing).astype(np.int64))
+    # output point j of segment k sits at t = j / n_sub[k], j = 1..n_sub[k] (vectorised over all segments)
+    k = np.repeat(np.arange(len(seg)), n_sub)
+    j = np.arange(len(k)) - np.repeat(np.cumsum(n_sub) - n_sub, n_sub) + 1
+    t = j / n_sub[k]
+    out = p[k] + (p[k + 1] - p[k]) * t[:, None]
+    vals = values[k] + (values[k + 1] - values[k]) * t
+    return np.concatenate([p[:1], out]), np.concatenate([values[:1], vals])

@@ -5,7 +5,12 @@ the one map format of this project:
 
 * **Lanes.** Every topology lane piece (one ``(road, section, lane)`` of type Driving) becomes a :class:`Lane`:
   its centre line is sampled with ``Waypoint.next_until_lane_end(spacing)`` from the piece's entry waypoint, so the
-  polyline already runs in the driving direction. Successors come from ``Map.get_topology()``; left/right
+  polyline already runs in the driving direction. Where carla's walk fails (it asserts "distance > 0.0" when a lane
+  driven with s is a whole multiple of ``spacing`` long and its last step lands exactly on the lane end), the piece
+  is walked step by step with ``Waypoint.next(spacing)`` and closed with the waypoint at its end; samples that
+  repeat the previous one are dropped. The lane width is sampled at every point (``Waypoint.lane_width``), so lanes
+  whose OpenDRIVE width polynomial changes inside a lane section keep their shape (``Lane.widths``; ``Lane.width``
+  is the median). Successors come from ``Map.get_topology()``; left/right
   neighbours from ``get_left_lane()``/``get_right_lane()`` when the neighbour is a same-direction Driving lane and
   ``Waypoint.lane_change`` allows the change; markings from ``left_lane_marking``/``right_lane_marking``
   (Broken/BrokenBroken/BottsDots -> broken; Solid/SolidSolid/Curb/Grass -> solid; the mixed SolidBroken/BrokenSolid
@@ -27,7 +32,9 @@ the one map format of this project:
   are ignored: CARLA's Leaderboard only scores running stop signs and red lights.
 * **Derived control.** Maps without any traffic-light or stop-sign landmark (the 2019 Town03/Town05 exports
   shipped in ``shared/data``) get derived control: every junction where >= 3 distinct approach roads meet is
-  signalised, one light group per approach axis (as above); ``meta["derived_control"]`` is then ``True``.
+  signalised, one light group per approach axis (as above); ``meta["derived_control"]`` is then ``True``. Maps
+  without such junctions (roundabouts, motorways, loops) end up with no stop lines and no light groups at all, which
+  is valid.
 * **Speed limits** (type ``274``; the value is km/h even where the export says "mph", as CARLA reads it). A sign
   seeds the lane pieces of its road/section and valid lanes; every other lane takes the limit of the nearest
   upstream sign along the lane graph (Dijkstra over lane lengths); unreached lanes get CARLA's town default of
@@ -37,15 +44,25 @@ the one map format of this project:
 * **Crosswalks.** ``Map.get_crosswalks()`` (closed polygons, first point repeated) -> ``[C, 4, 2]`` convex quads;
   non-quads are replaced by their minimum-area bounding rectangle.
 
+Bad input never escapes as a raw ``RuntimeError``/``IndexError``: the XML is checked first for what makes carla's
+parser crash the process (missing ``<planView>``/``<geometry>``/``<lanes>``/``<laneSection>``/``<center>``, lane
+links in the driving direction to lanes that do not exist, ...) or raise (lane sections beyond the road length,
+junction connections to missing roads), and the map is compiled in a forked child process (Linux), so a crash
+that the checks miss still becomes a :class:`MapError`. Every error names the file, the road (and lane) when
+known, and a fix.
+
 Entry points: :func:`load_opendrive` (any ``.xodr`` file) and :func:`load_town` (``"Town01"`` ..., with an
-``.npz`` cache keyed by the xodr's sha256).
+``.npz`` cache keyed by the xodr's sha256). See ``docs/maps.md``.
 """
 from __future__ import annotations
 
 import hashlib
 import heapq
 import math
+import multiprocessing
 import os
+import signal
+import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
@@ -79,7 +96,16 @@ __all__ = [
 ]
 
 #: Bumped whenever the loader's output changes, so cached ``.npz`` files are rebuilt.
-LOADER_VERSION = 1
+#: 2: per-point lane widths; robust lane walks (no repeated end sample).
+LOADER_VERSION = 2
+#: Narrowest per-point lane width stored (m); lanes opening from zero width start at this.
+MIN_POINT_WIDTH = 0.1
+#: Samples closer than this (m) to the previous sample of a piece are dropped.
+MIN_SAMPLE_STEP = 1e-3
+#: How far (m) inside a lane section the end waypoint of a step-by-step walk is taken.
+END_INSET = 1e-4
+#: Geometry primitives carla's parser knows.
+GEOMETRY_KINDS = ("line", "arc", "spiral", "poly3", "paramPoly3")
 #: CARLA's default town speed limit (30 km/h) in m/s.
 DEFAULT_SPEED_LIMIT = 30.0 / 3.6
 #: Approaches whose headings differ by less than this (mod 180 deg) share a light phase.
@@ -145,7 +171,149 @@ def _validate_xodr(path: Path) -> tuple[str, ET.Element]:
         raise MapError(f"OpenDRIVE file {path} has root element <{root.tag}>, expected <OpenDRIVE>")
     if root.find("road") is None:
         raise MapError(f"OpenDRIVE file {path} has no <road> elements")
+    _check_structure(path, root)
     return text, root
+
+
+def _num(elem: ET.Element, attr: str) -> float | None:
+    """Attribute ``attr`` of ``elem`` as a finite float, else None."""
+    try:
+        v = float(elem.get(attr, ""))
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _check_structure(path: Path, root: ET.Element) -> None:
+    """Reject, with a MapError naming the road and the fix, what makes carla's OpenDRIVE parser crash the process
+    (segmentation fault) or fail without saying where. Found by feeding carla 0.9.16 broken variants of valid maps."""
+    where = f"OpenDRIVE file {path}"
+    spec = "see the OpenDRIVE 1.4 spec or re-export the map from its editor"
+    roads: dict[int, ET.Element] = {}
+    sections_of: dict[int, list[tuple[float, set[int], ET.Element]]] = {}  # road -> (s, lane ids, element), by s
+    for n, road in enumerate(root.findall("road")):
+        rid_text = road.get("id")
+        label = f"road {rid_text}" + (f" ('{road.get('name')}')" if road.get("name") else "")
+        try:
+            rid = int(rid_text or "")
+        except ValueError:
+            raise MapError(f"{where}: road #{n} has {'no id' if rid_text is None else f'id {rid_text!r}'}; carla "
+                           "reads road ids as integers. Fix: give "
+                           "every <road> a unique integer id (and update the links that refer to it)") from None
+        if rid in roads:
+            raise MapError(f"{where}: road id {rid} is used by more than one <road>; fix: give every road a unique "
+                           "id (and update the links that refer to it)")
+        roads[rid] = road
+        length = _num(road, "length")
+        if length is None or length <= 0:
+            raise MapError(f"{where}: {label} has length {road.get('length')!r}; a road needs a length > 0. Fix: "
+                           "set it to the sum of its <planView><geometry> lengths")
+        geoms = road.findall("planView/geometry")
+        if not geoms:
+            raise MapError(f"{where}: {label} has no <planView><geometry> records (carla crashes on such roads). "
+                           "Fix: give it a reference line, e.g. <geometry s=\"0\" x=.. y=.. hdg=.. length=..><line/>"
+                           "</geometry>")
+        for g in geoms:
+            bad = [a for a in ("s", "x", "y", "hdg", "length") if _num(g, a) is None]
+            kinds = [c.tag for c in g if c.tag in GEOMETRY_KINDS]
+            at = f"{label}, <geometry s={g.get('s')!r}>"
+            if bad:
+                raise MapError(f"{where}: {at} has missing or non-numeric {', '.join(bad)}; fix: give s, x, y, hdg "
+                               "and length as finite numbers")
+            if len(kinds) != 1:
+                raise MapError(f"{where}: {at} has {len(kinds)} shape elements ({', '.join(kinds) or 'none'}); "
+                               f"carla crashes on such records. Fix: give it exactly one of "
+                               f"{', '.join(f'<{k}>' for k in GEOMETRY_KINDS)}")
+            if kinds[0] == "arc":
+                k = _num(g.find("arc"), "curvature")
+                if k is None or k == 0:
+                    raise MapError(f"{where}: {at} is an <arc> with curvature {g.find('arc').get('curvature')!r}; "
+                                   "fix: use a non-zero finite curvature, or <line/> for a straight piece")
+            if not -1e-6 <= _num(g, "s") <= length + 1e-6:
+                raise MapError(f"{where}: {at} starts at s={g.get('s')} outside the road's length {length:g}; "
+                               "fix: correct the road length or the geometry's s")
+        sections = road.findall("lanes/laneSection")
+        if not sections:
+            raise MapError(f"{where}: {label} has no <lanes><laneSection> (carla crashes on such roads); fix: add "
+                           "a lane section with a <center> lane and at least one driving lane")
+        ids_per_section: list[tuple[float, set[int], ET.Element]] = []
+        for sec in sections:
+            s0 = _num(sec, "s")
+            if s0 is None or not -1e-6 <= s0 <= length + 1e-6:
+                raise MapError(f"{where}: {label} has a <laneSection s={sec.get('s')!r}> outside its length "
+                               f"{length:g}; fix: lane sections must start within [0, road length]")
+            if not sec.findall("center/lane"):
+                raise MapError(f"{where}: {label}, lane section s={sec.get('s')}: no <center><lane id=\"0\"/>"
+                               "</center> (carla crashes without it); fix: add the centre lane")
+            ids: set[int] = set()
+            for side, sign in (("left", 1), ("right", -1)):  # (carla takes a centre lane without an id as lane 0)
+                for lane in sec.findall(f"{side}/lane"):
+                    lid_text = lane.get("id")
+                    try:
+                        lid = int(lid_text or "")
+                    except ValueError:
+                        what = "no id" if lid_text is None else f"id {lid_text!r}"
+                        raise MapError(f"{where}: {label}, lane section s={sec.get('s')}: a <{side}> lane has {what}; "
+                                       "carla crashes on such lanes. Fix: lane ids are integers (left > 0, right < 0, "
+                                       "centre 0)") from None
+                    if (sign > 0 and lid <= 0) or (sign < 0 and lid >= 0):
+                        raise MapError(f"{where}: {label}, lane section s={sec.get('s')}: lane {lid} sits in "
+                                       f"<{side}> (carla crashes on such lanes); fix: left lanes have ids > 0, right "
+                                       "lanes < 0, the centre lane 0")
+                    ids.add(lid)
+            ids_per_section.append((s0, ids, sec))
+        sections_of[rid] = sorted(ids_per_section, key=lambda t: t[0])
+    # Lane links in the driving direction (lanes < 0: successor; lanes > 0: predecessor) must name an existing lane:
+    # carla dereferences them without a check and crashes. (Links against the driving direction are not followed.)
+    for rid, road in roads.items():
+        label = f"road {rid}"
+        secs = sections_of[rid]
+        link = {t: road.find(f"link/{t}") for t in ("predecessor", "successor")}
+        for k, (s0, _, sec) in enumerate(secs):
+            for lane in sec.findall("left/lane") + sec.findall("right/lane"):
+                lid = int(lane.get("id"))
+                tag = "successor" if lid < 0 else "predecessor"
+                target = lane.find(f"link/{tag}")
+                if target is None:
+                    continue
+                try:
+                    tid = int(target.get("id", ""))
+                except ValueError:
+                    raise MapError(f"{where}: {label} lane {lid}: <{tag} id={target.get('id')!r}> is not an "
+                                   "integer lane id; fix: correct the lane link") from None
+                inner = k + 1 < len(secs) if lid < 0 else k > 0
+                if inner:
+                    nb = secs[k + 1] if lid < 0 else secs[k - 1]
+                    if tid not in nb[1]:
+                        raise MapError(f"{where}: {label} lane {lid} (lane section s={s0:g}): its {tag} lane {tid} "
+                                       f"does not exist in the road's {'next' if lid < 0 else 'previous'} lane "
+                                       f"section (s={nb[0]:g}); carla crashes on such links. Fix: link the lane "
+                                       "to a lane of that section, or remove the link")
+                    continue
+                rl = link[tag]
+                if rl is None or rl.get("elementType", "road") != "road":
+                    continue
+                try:
+                    other = int(rl.get("elementId", ""))
+                except ValueError:
+                    continue
+                if other in sections_of and not any(tid in ids for _, ids, _ in sections_of[other]):
+                    raise MapError(f"{where}: {label} lane {lid}: its {tag} is lane {tid} of road {other}, which has "
+                                   f"no lane {tid}; carla crashes on such links. Fix: link it to an existing lane "
+                                   f"of road {other} (or remove the link)")
+    for junction in root.findall("junction"):
+        for c in junction.findall("connection"):
+            val = c.get("connectingRoad")
+            if val is None:
+                continue
+            try:
+                ok = int(val) in roads
+            except ValueError:
+                ok = False
+            if not ok:
+                raise MapError(f"{where}: junction {junction.get('id')} connection {c.get('id')}: connectingRoad "
+                               f"{val!r} is not a road in the file; fix: point it to the connecting road's id or "
+                               f"remove the connection ({spec})")
 
 
 def _section_bounds(root: ET.Element) -> dict[tuple[int, int], tuple[float, float]]:
@@ -183,8 +351,13 @@ def _marking(carla: Any, mark_type: Any, change_allowed: bool) -> int:
 
 
 def _end_heading(points: np.ndarray) -> float:
-    d = points[-1] - points[-2]
-    return math.atan2(d[1], d[0])
+    """Heading of the last non-degenerate segment of a polyline (0 if it has none)."""
+    d = np.diff(points, axis=0)
+    ok = np.nonzero(np.linalg.norm(d, axis=1) > 1e-6)[0]
+    if len(ok) == 0:
+        return 0.0
+    v = d[ok[-1]]
+    return math.atan2(v[1], v[0])
 
 
 def _axial_diff(a: float, b: float) -> float:
@@ -298,13 +471,16 @@ class _Builder:
     """Walks one ``carla.Map`` and collects lanes, control, shoulders, crosswalks and speed signs."""
 
     def __init__(self, carla: Any, cmap: Any, name: str, spacing: float,
-                 sections: dict[tuple[int, int], tuple[float, float]] | None = None):
+                 sections: dict[tuple[int, int], tuple[float, float]] | None = None,
+                 progress: "_Progress | None" = None):
         self.carla, self.m, self.name, self.spacing = carla, cmap, name, spacing
         self.sections = sections or {}
+        self.progress = progress or _Progress()
         self.keys: list[Key] = []
         self.index: dict[Key, int] = {}
         self.entry: list[Any] = []  # entry waypoint per piece
         self.wps: list[list[Any]] = []  # sampled waypoints per piece
+        self.wxy: list[list[tuple[float, float]]] = []  # their positions (our frame)
         self.lanes: list[Lane] = []
         self.succ: list[set[int]] = []
 
@@ -345,18 +521,59 @@ class _Builder:
                     wp = start
             self._add_piece(wp)
 
+    def _walk(self, wp: Any, k: Key) -> tuple[list[Any], list[tuple[float, float]]]:
+        """Waypoints of piece ``k`` from its entry ``wp`` to its end, about ``spacing`` apart, none repeated, and
+        their positions in our frame."""
+        try:
+            raw = list(wp.next_until_lane_end(self.spacing))
+        except RuntimeError:
+            # carla asserts "distance > 0.0" when the walk's last step lands exactly on the lane end (a lane driven
+            # with s whose length is a whole multiple of the spacing, in float arithmetic): step by step instead.
+            raw = self._walk_steps(wp, k)
+        ws, xy = [wp], [_xy(wp.transform.location)]
+        for w in raw:
+            if _key(w) != k:
+                continue
+            p = _xy(w.transform.location)
+            if math.dist(p, xy[-1]) > MIN_SAMPLE_STEP:
+                ws.append(w)
+                xy.append(p)
+        return ws, xy
+
+    def _walk_steps(self, wp: Any, k: Key) -> list[Any]:
+        """``next(spacing)`` while on piece ``k``, then the waypoint just inside the piece's end (from the XML)."""
+        bounds = self.sections.get((k[0], k[1]))
+        steps = int(((bounds[1] - bounds[0]) if bounds else 1e5) / self.spacing) + 3
+        out, cur = [], wp
+        for _ in range(steps):
+            nxt = [w for w in cur.next(self.spacing) if _key(w) == k]
+            if not nxt:
+                break
+            cur = nxt[0]
+            out.append(cur)
+        if bounds is not None:
+            s_end = bounds[1] - END_INSET if k[2] < 0 else bounds[0] + END_INSET
+            end = self.m.get_waypoint_xodr(k[0], k[2], s_end)
+            if end is not None and _key(end) == k:
+                out.append(end)
+        return out
+
     def sample_pieces(self) -> None:
         for i, wp in enumerate(self.entry):
             k = self.keys[i]
-            ws = [wp] + [w for w in wp.next_until_lane_end(self.spacing) if _key(w) == k]
+            self.progress.set(f"walking road {k[0]} lane {k[2]} (lane section {k[1]})")
+            ws, xy = self._walk(wp, k)
             self.wps.append(ws)
+            self.wxy.append(xy)
             # CARLA reports some dead-end lanes as their own successor; keep a self-link only for a closed loop.
-            if i in self.succ[i] and ws[-1].transform.location.distance(wp.transform.location) > self.spacing:
+            if i in self.succ[i] and math.dist(xy[-1], xy[0]) > self.spacing:
                 self.succ[i].discard(i)
 
-    def _polyline(self, i: int) -> np.ndarray:
+    def _polyline(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Centre polyline [N, 2] of piece ``i`` and the lane width [N] at its points."""
         ws = self.wps[i]
-        pts = [_xy(w.transform.location) for w in ws]
+        pts = list(self.wxy[i])
+        widths = [max(float(w.lane_width), MIN_POINT_WIDTH) for w in ws]
         # Close the gap to the successors' common start (the lane end) when sampling stopped short of it.
         starts = [_xy(self.entry[j].transform.location) for j in sorted(self.succ[i])]
         if starts:
@@ -364,26 +581,38 @@ class _Builder:
             gap = math.dist(pts[-1], end)
             if 1e-3 < gap <= 1.5 * self.spacing + 0.5:
                 pts.append((float(end[0]), float(end[1])))
+                widths.append(widths[-1])
         p = np.array(pts, np.float64)
+        if not np.isfinite(p).all():
+            k = self.keys[i]
+            raise MapError(f"road {k[0]} lane {k[2]} (lane section {k[1]}): carla computes non-finite positions "
+                           "along it; fix: check the road's <geometry> records (spiral or poly3 parameters, huge "
+                           "values) and its lane widths/offsets")
         if len(p) < 2 or np.linalg.norm(p[-1] - p[0]) < 1e-3:
             # Degenerate piece (shorter than the tolerance): extend 0.1 m along its heading.
             yaw = float(carla_yaw_to_world(ws[0].transform.rotation.yaw))
             p = np.array([p[0], p[0] + 0.1 * np.array([math.cos(yaw), math.sin(yaw)])])
-        return p
+            widths = widths[:1] * 2
+        return p, np.array(widths, np.float64)
 
     def build_lanes(self) -> None:
         LC = self.carla.LaneChange
         driving = self.carla.LaneType.Driving
         for i, k in enumerate(self.keys):
+            self.progress.set(f"reading road {k[0]} lane {k[2]} (lane section {k[1]})")
             ws = self.wps[i]
             mid = ws[len(ws) // 2]
             widths = [w.lane_width for w in ws if w.lane_width > 0.05]
             width = float(np.median(widths)) if widths else 3.5
             left_ok = mid.lane_change in (LC.Left, LC.Both)
             right_ok = mid.lane_change in (LC.Right, LC.Both)
+            points, point_widths = self._polyline(i)
+            if not widths:  # carla reports no usable width anywhere on the piece: the default everywhere
+                point_widths = np.full(len(points), width)
             lane = Lane(
-                points=self._polyline(i),
+                points=points,
                 width=width,
+                widths=point_widths,
                 speed_limit=DEFAULT_SPEED_LIMIT,
                 is_junction=bool(ws[0].is_junction),
                 junction=int(ws[0].junction_id) if ws[0].is_junction else -1,
@@ -570,45 +799,138 @@ class _Builder:
         return out
 
 
-def load_opendrive(path: str | Path, name: str | None = None, spacing: float = 1.0) -> LaneGraph:
+class _Progress:
+    """What the loader is doing now ("walking road 12 lane -1 ..."), for error messages; mirrored into a shared
+    buffer when compiling in a child process, so the parent can say where carla crashed."""
+
+    def __init__(self, buffer: Any = None):
+        self.stage = "parsing the file"
+        self.buffer = buffer
+
+    def set(self, stage: str) -> None:
+        self.stage = stage
+        if self.buffer is not None:
+            self.buffer.value = stage.encode("utf-8", "replace")[: len(self.buffer) - 1]
+
+
+def _compile(path: Path, text: str, sections: dict[tuple[int, int], tuple[float, float]], name: str,
+             spacing: float, progress: _Progress) -> LaneGraph:
+    """carla.Map(text) -> LaneGraph. Every failure is a MapError naming the file (and the road, when known)."""
+    carla = _import_carla()
+    try:
+        cmap = carla.Map(name, text)
+    except Exception as e:  # noqa: BLE001 - the binding raises RuntimeError, IndexError and friends
+        raise MapError(f"OpenDRIVE file {path}: carla could not parse it ({type(e).__name__}: {e}); fix: check the "
+                       "file against the OpenDRIVE spec (road and lane-section lengths, road/lane links, junction "
+                       "connections) or re-export it from its editor") from e
+    b = _Builder(carla, cmap, name, spacing, sections, progress)
+    try:
+        progress.set("reading the topology")
+        b.collect_pieces()
+        if not b.keys:
+            raise MapError("carla found no driving lanes in it; fix: a map needs lanes of type=\"driving\"")
+        b.sample_pieces()
+        b.build_lanes()
+        progress.set("deriving traffic control")
+        stop_lines, groups, derived = b.build_control()
+        progress.set("reading speed-limit signs")
+        speed_signs = b.assign_speed_limits()
+        progress.set("reading shoulders")
+        shoulders = b.build_shoulders()
+        progress.set("reading crosswalks")
+        crosswalks = _crosswalk_quads(list(cmap.get_crosswalks()))
+        meta = {
+            "source": "opendrive",
+            "file": str(path),
+            "loader_version": LOADER_VERSION,
+            "spacing": spacing,
+            "derived_control": derived,
+            "frame": "right-handed; (x, y)_ours = (x, -y)_carla",
+        }
+        progress.set("compiling the lane graph")
+        return LaneGraph.build(name, b.lanes, stop_lines, groups, crosswalks=crosswalks, shoulders=shoulders,
+                               speed_signs=speed_signs, max_spacing=spacing, meta=meta)
+    except MapError as e:
+        raise MapError(f"OpenDRIVE file {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - carla's RuntimeErrors, and whatever an odd map trips in this loader
+        raise MapError(f"OpenDRIVE file {path}: failed while {progress.stage} ({type(e).__name__}: {e}); fix: "
+                       "check that part of the file (its <geometry>, <laneSection> and <link> records) against "
+                       "the OpenDRIVE spec, or re-export the map") from e
+
+
+def _compile_child(conn: Any, buffer: Any, args: tuple) -> None:
+    import faulthandler  # noqa: PLC0415
+
+    faulthandler.disable()  # a crash is reported by the parent (with the stage); no interpreter dump on stderr
+    progress = _Progress(buffer)
+    try:
+        out = ("ok", _compile(*args, progress))
+    except MapError as e:
+        out = ("error", str(e))
+    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
+        out = ("error", f"OpenDRIVE file {args[0]}: failed while {progress.stage} ({type(e).__name__}: {e})")
+    conn.send(out)
+    conn.close()
+
+
+def _compile_isolated(args: tuple) -> LaneGraph | None:
+    """Run :func:`_compile` in a forked child, so a crash inside carla (it segfaults on some malformed maps)
+    becomes a MapError. None where a child cannot be started (no fork, or inside a daemonic process)."""
+    if not sys.platform.startswith("linux") or os.environ.get("CARL_MAP_ISOLATE", "1") == "0":
+        return None
+    ctx = multiprocessing.get_context("fork")
+    buffer = ctx.Array("c", 512, lock=False)
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_compile_child, args=(send, buffer, args), name="carl-opendrive")
+    try:
+        proc.start()
+    except (AssertionError, OSError):  # daemonic processes may not have children; no fork available
+        recv.close()
+        send.close()
+        return None
+    send.close()
+    try:
+        msg = recv.recv()
+    except EOFError:
+        msg = None
+    finally:
+        recv.close()
+        proc.join()
+    if msg is None:
+        code = proc.exitcode
+        try:
+            why = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        except ValueError:
+            why = f"signal {-code}"
+        stage = buffer.value.decode("utf-8", "replace") or "parsing the file"
+        raise MapError(f"OpenDRIVE file {args[0]}: carla crashed ({why}) while {stage}. The file is malformed in a "
+                       "way carla does not check; fix: validate it (e.g. with esmini's odrviewer or the ASAM "
+                       "OpenDRIVE checker), look at that road's <planView>, <lanes> and <link> records, or "
+                       "re-export the map")
+    kind, payload = msg
+    if kind == "ok":
+        return payload
+    raise MapError(payload)
+
+
+def load_opendrive(path: str | Path, name: str | None = None, spacing: float = 1.0,
+                   isolate: bool = True) -> LaneGraph:
     """Parse an OpenDRIVE file with ``carla.Map`` (offline) and compile it to a :class:`LaneGraph`.
 
     ``name`` defaults to the file stem; ``spacing`` is the waypoint sampling step (metres) and the graph's
-    maximum point spacing. Raises :class:`MapError` naming the file for missing, malformed or empty maps.
+    maximum point spacing. With ``isolate`` (default; Linux, unless ``CARL_MAP_ISOLATE=0``) carla runs in a forked
+    child process, so that a crash inside carla is reported instead of killing the caller. Raises
+    :class:`MapError` naming the file (and the road, when known) and a fix for missing, malformed, empty or
+    crashing maps; never a raw ``RuntimeError``/``IndexError``.
     """
     path = Path(path)
     if not spacing > 0:
         raise MapError(f"OpenDRIVE file {path}: spacing must be > 0, got {spacing}")
     text, root = _validate_xodr(path)
-    name = name or path.stem
-    carla = _import_carla()
-    try:
-        cmap = carla.Map(name, text)
-    except Exception as e:  # noqa: BLE001 - the binding raises RuntimeError and friends
-        raise MapError(f"OpenDRIVE file {path}: carla could not parse it ({e})") from e
-    b = _Builder(carla, cmap, name, spacing, _section_bounds(root))
-    b.collect_pieces()
-    if not b.keys:
-        raise MapError(f"OpenDRIVE file {path}: carla found no driving lanes in it")
-    b.sample_pieces()
-    b.build_lanes()
-    stop_lines, groups, derived = b.build_control()
-    speed_signs = b.assign_speed_limits()
-    shoulders = b.build_shoulders()
-    crosswalks = _crosswalk_quads(list(cmap.get_crosswalks()))
-    meta = {
-        "source": "opendrive",
-        "file": str(path),
-        "loader_version": LOADER_VERSION,
-        "spacing": spacing,
-        "derived_control": derived,
-        "frame": "right-handed; (x, y)_ours = (x, -y)_carla",
-    }
-    try:
-        return LaneGraph.build(name, b.lanes, stop_lines, groups, crosswalks=crosswalks, shoulders=shoulders,
-                               speed_signs=speed_signs, max_spacing=spacing, meta=meta)
-    except MapError as e:
-        raise MapError(f"OpenDRIVE file {path}: {e}") from e
+    _import_carla()  # a missing package is reported here, not from a child
+    args = (path, text, _section_bounds(root), name or path.stem, float(spacing))
+    graph = _compile_isolated(args) if isolate else None
+    return graph if graph is not None else _compile(*args, _Progress())
 
 
 # ---------------------------------------------------------------------------------------------- towns + cache
@@ -667,3 +989,35 @@ def load_town(town: str, maps_dir: str | Path | None = None, cache_dir: str | Pa
     except OSError:
         pass  # a read-only cache location only costs the rebuild next time
     return g
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m envs.maps.opendrive MAP.xodr [...]``: compile each map and print a one-line summary (JSON), or
+    the MapError (exit status 1). See ``docs/maps.md``."""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(description="Check OpenDRIVE maps: compile them as the simulator does.")
+    p.add_argument("maps", nargs="+", help=".xodr files")
+    p.add_argument("--spacing", type=float, default=1.0, help="waypoint spacing in metres (default 1)")
+    args = p.parse_args(argv)
+    status = 0
+    for f in args.maps:
+        try:
+            g = load_opendrive(f, spacing=args.spacing)
+        except MapError as e:
+            print(f"MapError: {e}", flush=True)
+            status = 1
+            continue
+        w = g.point_widths()
+        print(json.dumps({
+            "map": f, "lanes": g.num_lanes, "km": round(float(g.lane_lengths().sum()) / 1000, 3),
+            "junction_lanes": int(g.is_junction.sum()), "dead_ends": int((np.diff(g.succ_offsets) == 0).sum()),
+            "stop_lines": len(g.stop_lane), "light_groups": len(g.light_junction),
+            "derived_control": bool(g.meta.get("derived_control")), "crosswalks": len(g.crosswalks),
+            "width_min": round(float(w.min()), 2), "width_max": round(float(w.max()), 2)}), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -243,7 +243,8 @@ def compile_raster(graph: LaneGraph, ppm: float = 4.0) -> MapRaster:
     i0, lane, t_lo_end, t_hi_end = _polyline_segments(graph.points, graph.offsets, END_OVERLAP_M)
     i0_t = torch.from_numpy(i0)
     lane_t = torch.from_numpy(lane)
-    half_w = torch.from_numpy(graph.width.astype(np.float32))[lane_t] * 0.5
+    pw = graph.point_widths().astype(np.float32)  # lane width per point: tapering lanes follow their width
+    half_w = torch.from_numpy((pw[i0] + pw[i0 + 1]) * 0.25)
     junc = torch.from_numpy(graph.is_junction.astype(bool))[lane_t]
     junc_u8 = junc.to(torch.uint8)
     p0, p1 = pts[i0_t], pts[i0_t + 1]
@@ -295,9 +296,9 @@ def compile_raster(graph: LaneGraph, ppm: float = 4.0) -> MapRaster:
     for side, marking in ((1.0, graph.left_marking), (-1.0, graph.right_marking)):
         kind = marking[lane]
         keep = (~graph.is_junction[lane]) & (kind != MARK_NONE) & ((kind == MARK_SOLID) | dash_on)
-        off = side * 0.5 * graph.width[lane][:, None]
-        mark_p0.append((graph.points[i0] + off * normals[i0])[keep])
-        mark_p1.append((graph.points[i0 + 1] + off * normals[i0 + 1])[keep])
+        off0, off1 = side * 0.5 * pw[i0][:, None], side * 0.5 * pw[i0 + 1][:, None]
+        mark_p0.append((graph.points[i0] + off0 * normals[i0])[keep])
+        mark_p1.append((graph.points[i0 + 1] + off1 * normals[i0 + 1])[keep])
         mark_v.append(np.where(kind[keep] == MARK_BROKEN, 127, 255).astype(np.uint8))
     mp0 = torch.from_numpy(np.concatenate(mark_p0).astype(np.float32))
     mp1 = torch.from_numpy(np.concatenate(mark_p1).astype(np.float32))
