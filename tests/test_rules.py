@@ -326,3 +326,19 @@ def test_ttc_sees_every_actor():
                                     xy, yaw, speed, half, torch.ones(B, N, dtype=torch.bool), (0.1, 0.3, 0.5, 0.7, 0.9))
     # gap 16 - 2.45 - 2.3 = 11.25 m closing at 18 m/s: overlap by 0.7 s
     assert bool(hit[0])
+
+
+def test_lane_measures_follow_a_width_taper():
+    """Lane -1 of tests/data/xodr/width_taper.xodr widens from 3.0 m (x = 0) to 4.5 m (x = 75): the lane-centre factor
+    and the outside-lanes rule use the width where the ego is, not one width per lane."""
+    from pathlib import Path
+
+    xodr = Path(__file__).parent / "data" / "xodr" / "width_taper.xodr"
+    env = make_env("sim", 1, "cpu", 0, map=str(xodr), bev=False, traffic=False, num_routes=4,
+                   route_length=(40.0, 120.0))
+    yaw = torch.zeros(1)
+    wide = infractions.lane_measures(env.world, torch.tensor([[75.0, -2.25 - 2.0]]), yaw)  # 2.0 m right of centre
+    assert not bool(wide["off_lane"][0])
+    assert float(wide["lane_ratio"][0]) == pytest.approx(2.0 / 2.25, abs=0.03)
+    narrow = infractions.lane_measures(env.world, torch.tensor([[2.0, -1.5 - 1.2]]), yaw)  # w(2) ~ 3.0 m
+    assert float(narrow["lane_ratio"][0]) == pytest.approx(1.2 / 1.5, abs=0.03)

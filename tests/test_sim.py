@@ -117,7 +117,7 @@ def test_vehicle_collision_terminates_with_penalty():
     fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
     from envs.sim import agents
     target = s.ego_xy + fwd * 3.0
-    lane, lateral, _, _ = __import__("envs.sim.world", fromlist=["lane_lookup"]).lane_lookup(env.world, target)
+    lane, lateral, _, _, _ = __import__("envs.sim.world", fromlist=["lane_lookup"]).lane_lookup(env.world, target)
     d = (env.world.lane_pts[lane] - target.unsqueeze(1)).norm(dim=-1)
     s.veh.lane[:, 0] = lane
     s.veh.s[:, 0] = d.argmin(-1).float() * env.world.lane_spacing[lane]

@@ -339,7 +339,7 @@ class NuplanEnv(SimEnv):
     def _snap_to_lanes(self, veh: Vehicles) -> None:
         """Reactive mode: put logged vehicles on their nearest lane (lane, arc position) to drive them with IDM."""
         w = self.world
-        lane, lateral, lane_yaw, found = lane_lookup(w, veh.xy)
+        lane, lateral, lane_yaw, found, _ = lane_lookup(w, veh.xy)
         pts = w.lane_pts[lane]  # [B, N, P, 2]
         s = (pts - veh.xy.unsqueeze(-2)).norm(dim=-1).argmin(-1).float() * w.lane_spacing[lane]
         aligned = torch.cos(wrap_angle(veh.yaw - lane_yaw)) > 0.5
@@ -425,10 +425,10 @@ class NuplanEnv(SimEnv):
     def _record_trace(self, s: NuplanState) -> None:
         """Write this step's metric inputs into the ring buffers (batched tensor ops, no host sync)."""
         w, dt = self.world, self.cfg.dt
-        lane, _, lane_yaw, found = lane_lookup(w, s.ego_xy)
+        lane, _, lane_yaw, found, _ = lane_lookup(w, s.ego_xy)
         corners = box_corners_t(s.ego_xy, s.ego_yaw, self.ego_half)  # [B, 4, 2]
-        c_lane, c_lat, _, c_found = lane_lookup(w, corners)
-        c_out = torch.where(c_found, (c_lat.abs() - w.lane_width[c_lane] / 2).clamp(min=0.0),
+        c_lane, c_lat, _, c_found, c_width = lane_lookup(w, corners)
+        c_out = torch.where(c_found, (c_lat.abs() - c_width / 2).clamp(min=0.0),
                             torch.full_like(c_lat, OFF_LANE_M))
         junction = w.lane_junction[lane] & found
         a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)

@@ -349,8 +349,8 @@ class SimEnv(BatchedEnv):
         s.gear = gear(v_new)
         s.last_action = torch.stack((steer, throttle, brake), -1)
 
-    def _actors(self, s: SimState, include_ego: bool) -> tuple[Tensor, ...]:
-        """All actors as padded obstacle tensors: vehicles first, then (the ego,) pedestrians, statics."""
+    def _actors(self, s: SimState, include_ego: bool, include_statics: bool = True) -> tuple[Tensor, ...]:
+        """All actors as padded obstacle tensors: vehicles first, then (the ego,) pedestrians, (statics)."""
         p_half = torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF)
         p_speed = torch.where(s.ped.moving, s.ped.speed, torch.zeros_like(s.ped.speed))
         parts = [(s.veh.xy, s.veh.yaw, s.veh.speed, s.veh.half, s.veh.valid)]
@@ -358,11 +358,16 @@ class SimEnv(BatchedEnv):
             parts.append((s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1),
                           self.ego_half.unsqueeze(1), torch.ones_like(s.ego_speed, dtype=torch.bool).unsqueeze(1)))
         parts.append((s.ped.xy, s.ped.yaw, p_speed, p_half, s.ped.valid))
-        parts.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half, s.statics.valid))
+        if include_statics:
+            parts.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half,
+                          s.statics.valid))
         return tuple(torch.cat(x, 1) for x in zip(*parts))
 
     def _move_actors(self, s: SimState) -> None:
-        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), lambda g: self._lights(s, g),
+        # parked obstacles stand at the kerb, off the lanes: lane-following vehicles never need to stop for them (on
+        # curves the straight leader corridor would sweep over them and hold vehicles there for good)
+        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True, include_statics=False),
+                             lambda g: self._lights(s, g),
                              self.cfg, self.gen)
         agents.step_pedestrians(self.world, s.ped, self.cfg.dt, self.gen)
 

@@ -143,8 +143,7 @@ def off_road(world: World, ego_xy: Tensor, ego_yaw: Tensor, ego_half: Tensor, th
 def lane_measures(world: World, ego_xy: Tensor, ego_yaw: Tensor) -> dict[str, Tensor]:
     """Nearest driving lane under the ego: lane, its heading, speed limit, lane-centre ratio, junction flag, and
     ``off_lane`` (no lane within half its width + 0.5 m)."""
-    lane, lateral, lane_yaw, found = lane_lookup(world, ego_xy)
-    width = world.lane_width[lane]
+    lane, lateral, lane_yaw, found, width = lane_lookup(world, ego_xy)
     junction = world.lane_junction[lane] & found
     off_lane = ~found | (lateral.abs() > width / 2 + 0.5)
     ratio = torch.where(junction | ~found, torch.zeros_like(lateral), lateral.abs() / (width / 2))

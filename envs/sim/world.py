@@ -51,6 +51,7 @@ class World:
     seg_start: Tensor  # [P, 2] graph.points (a lane's last point: the point before it)
     seg_end: Tensor  # [P, 2] next point of the same lane (a lane's last point: itself)
     seg_lane: Tensor  # [P]
+    seg_width: Tensor  # [P] lane width at each lane point (follows width polynomials; lane graph format 2)
     crosswalks: Tensor  # [C, 4, 2]
     # routes
     route_pts: Tensor  # [NR, R, 2] (padded by repeating the last point)
@@ -168,6 +169,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         group_phases=t(graph.light_num_phases, torch.long),
         num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
         seg_start=t(seg_start, torch.float32), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
+        seg_width=t(graph.point_widths(), torch.float32),
         crosswalks=t(graph.crosswalks),
         route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
         route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
@@ -199,8 +201,9 @@ def light_state(world: World, group: Tensor, t: Tensor, offset: Tensor, cfg: Sim
     return state, yellow_left
 
 
-def lane_lookup(world: World, xy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Nearest lane under points ``xy[..., 2]`` via the raster: (lane, signed lateral offset, lane yaw, found)."""
+def lane_lookup(world: World, xy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Nearest lane under points ``xy[..., 2]`` via the raster: (lane, signed lateral offset, lane yaw, found, lane
+    width there)."""
     r = world.raster
     pix = r.world_to_pixel(xy)
     H, W = r.seg_id.shape
@@ -216,7 +219,7 @@ def lane_lookup(world: World, xy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     n = d / d.norm(dim=-1, keepdim=True).clamp(min=1e-6)
     w = xy - a
     lateral = n[..., 0] * w[..., 1] - n[..., 1] * w[..., 0]
-    return world.seg_lane[seg], lateral, yaw, found
+    return world.seg_lane[seg], lateral, yaw, found, world.seg_width[seg]
 
 
 def sample_spawn(world: World, shape: tuple[int, ...], gen: torch.Generator) -> tuple[Tensor, Tensor]:
