@@ -44,6 +44,33 @@ def test_agent_config_and_plan(tmp_path: Path) -> None:
     np.testing.assert_allclose(kp, [[1.0, -2.0], [3.0, 4.0]])  # CARLA (x, y) -> ours (x, -y)
 
 
+
+def test_vehicle_light_states_map_onto_the_simulator_bits() -> None:
+    """carla.VehicleLightState flags -> LIGHT_* (CaRL's BEV encodings): brake, blinkers, and sirens only on emergency
+    vehicles; position lights and beams are dropped. Rows follow the nearest-first order into ``veh.lights``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from envs.carla.mapping import Reading, fill_vehicles, lights_from_carla, vehicle_lights
+    from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER
+
+    flags = [0, 8 | 1 | 2, 32, 16, 512, 1024 | 8, 512]  # none, brake+position+low beam, left, right, siren, ...
+    emergency = [False, False, False, False, True, True, False]
+    got = lights_from_carla(flags, emergency)
+    assert got.dtype == np.int32
+    assert got.tolist() == [0, LIGHT_BRAKE, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER, LIGHT_EMERGENCY,
+                            LIGHT_EMERGENCY | LIGHT_BRAKE, 0]
+    assert vehicle_lights({7: 8, 9: 48}, [9, 5, 7]).tolist() == [LIGHT_LEFT_BLINKER | LIGHT_RIGHT_BLINKER, 0,
+                                                                  LIGHT_BRAKE]
+    r = Reading.from_carla(np.array([30.0, 10.0]), np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(2),
+                           np.ones((2, 2)), np.array([LIGHT_BRAKE, LIGHT_LEFT_BLINKER], np.int32))
+    veh = SimpleNamespace(xy=torch.zeros(1, 3, 2))
+    fill_vehicles(veh, r, torch.zeros(1, 2))  # nearest first: the car at x=10 (left blinker), then x=30 (brake)
+    assert veh.lights.dtype == torch.int32 and veh.lights.tolist() == [[LIGHT_LEFT_BLINKER, LIGHT_BRAKE, 0]]
+    assert veh.valid.tolist() == [[True, True, False]]
+    assert Reading.empty().lights.shape == (0,)
+
 DRIVE = """
     import json, sys, torch, carla
     from envs.carla.worker import CarlaWorker, split_options

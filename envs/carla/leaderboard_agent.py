@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from envs.carla.mapping import Reading, fill_pedestrians, fill_vehicles, graph_from_xodr
+from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, fill_vehicles, graph_from_xodr,
+                                is_emergency, vehicle_lights)
 from envs.carla.worker import CarlaLights, split_action, vehicle_control
 from envs.maps.opendrive import carla_to_world
 from envs.routes import plan_route
@@ -76,8 +77,9 @@ def keypoints_from_plan(plan: list) -> np.ndarray:
     return np.stack([wx, wy], -1)
 
 
-def reading_from_actors(actors: list[Any]) -> Reading:
-    """Poses, speeds and bounding boxes of CARLA actors (client-side snapshot reads) as a :class:`Reading`."""
+def reading_from_actors(actors: list[Any], lights: np.ndarray | None = None) -> Reading:
+    """Poses, speeds and bounding boxes of CARLA actors (client-side snapshot reads) as a :class:`Reading`;
+    ``lights``: the vehicles' ``LIGHT_*`` bitmask (:func:`envs.carla.mapping.vehicle_lights`)."""
     if not actors:
         return Reading.empty()
     tf = [a.get_transform() for a in actors]
@@ -85,7 +87,7 @@ def reading_from_actors(actors: list[Any]) -> Reading:
     half = np.array([(a.bounding_box.extent.x, a.bounding_box.extent.y) for a in actors], np.float64)
     return Reading.from_carla(np.array([t.location.x for t in tf]), np.array([t.location.y for t in tf]),
                               np.array([t.rotation.yaw for t in tf]), np.array([v.x for v in vel]),
-                              np.array([v.y for v in vel]), half.reshape(-1, 2))
+                              np.array([v.y for v in vel]), half.reshape(-1, 2), lights)
 
 
 def sim_config_for(spec: dict[str, Any], options: dict[str, Any] | None = None) -> SimConfig:
@@ -127,10 +129,18 @@ class CarlaMirror(SimEnv):
         s.ego_xy = torch.as_tensor(ego.xy, device=dev)
         s.ego_yaw = torch.as_tensor(ego.yaw, device=dev)
         s.ego_speed = torch.as_tensor(ego.speed, device=dev)
+        vel = hero.get_velocity()
+        s.ego_vel_local = torch.as_tensor(ego_frame_velocity(vel.x, vel.y, hero.get_transform().rotation.yaw),
+                                          device=dev).unsqueeze(0)
+        s.gear = torch.tensor([float(hero.get_control().gear)], device=dev)
         actors = self.cworld.get_actors()
         vehicles = [a for a in actors.filter("vehicle.*") if a.id != hero.id]
         walkers = list(actors.filter("walker.pedestrian.*"))
-        fill_vehicles(s.veh, reading_from_actors(vehicles), s.ego_xy)
+        lights = None
+        if vehicles:  # one RPC for every vehicle's light state
+            lights = vehicle_lights(self.cworld.get_vehicles_light_states(), [a.id for a in vehicles],
+                                    [is_emergency(a) for a in vehicles])
+        fill_vehicles(s.veh, reading_from_actors(vehicles, lights), s.ego_xy)
         fill_pedestrians(s.ped, reading_from_actors(walkers), s.ego_xy)
         self.light_src.read()
 

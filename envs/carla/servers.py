@@ -1,16 +1,25 @@
 """CARLA server management: port blocks, launch command lines, readiness probes, health checks, kill and restart.
 
-One :class:`CarlaServer` is one ``CarlaUE4.sh`` process (its own process group, so the shell script and the
-``CarlaUE4-Linux-Shipping`` child die together) on a disjoint :class:`PortBlock`. :class:`ServerManager` owns N of
-them. Nothing here imports ``carla``: readiness is probed by a fresh client in a subprocess (:func:`probe_version`),
-because a misbehaving server can abort the client process (``std::terminate``), and because an old ``carla.Client``
-never reconnects after a restart.
+One :class:`CarlaServer` is one ``CarlaUE4.sh`` process on a disjoint :class:`PortBlock`, started through the
+watchdog launcher (:mod:`envs.carla.launcher`) as the leader of its own process group, so the launcher, the shell
+script and the ``CarlaUE4-Linux-Shipping`` child die together, and die with the process that started them.
+:class:`ServerManager` owns N of them.
+
+Process lifetime: no server outlives its owner. A server is stopped by process group (SIGTERM, SIGKILL after a grace
+period) on :meth:`CarlaServer.kill`, by the owner's ``atexit`` hook and SIGTERM handler (:func:`track`, which
+:class:`envs.carla.vector.CarlaVectorEnv` uses too), and by its launcher when the owner dies without cleaning up
+(SIGKILL, a crash).
+
+Nothing here imports ``carla``: readiness is probed by a fresh client in a subprocess (:func:`probe_version`), because
+a misbehaving server can abort the client process (``std::terminate``), and because an old ``carla.Client`` never
+reconnects after a restart.
 
 Errors are :class:`ServerError` with the cause and the fix (missing ``CARLA_ROOT``, a server that never becomes
 ready -- with the tail of its log --, a version mismatch, no free ports).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shlex
@@ -18,20 +27,157 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 CLIENT_VERSION = "0.9.16"  # the pinned ``carla`` client the workers and the stand-in speak
 PORT_STRIDE = 4  # ports per block: rpc, streaming (= rpc + 1), primary (rpc + 2), traffic manager (rpc + 3)
 LOG_TAIL_LINES = 30
+LAUNCHER = Path(__file__).with_name("launcher.py")  # the watchdog every server runs under
+KILL_GRACE = 5.0  # seconds a server gets between SIGTERM and SIGKILL
 
 
 class ServerError(RuntimeError):
     """A CARLA server could not be found, started, reached or kept alive; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------- lifetime
+# Everything that owns server processes (servers, vector envs) registers here, so that the owner's interpreter exit
+# and a SIGTERM stop them. A crashed owner (SIGKILL) is covered by the launcher's watchdog instead.
+_LIVE: dict[int, "weakref.ref[Any]"] = {}  # id -> owner; a dict, since dataclass instances are unhashable
+_HOOKS = {"pid": 0, "atexit": False, "signals": False}  # per process: a forked child owns nothing of its parent
+_HOOK_LOCK = threading.Lock()
+HOOKED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _this_process() -> None:
+    if _HOOKS["pid"] != os.getpid():  # first use here, or a fork: forget the parent's owners and hooks
+        _LIVE.clear()
+        _HOOKS.update(pid=os.getpid(), atexit=False, signals=False)
+
+
+def track(owner: Any) -> None:
+    """Register ``owner`` (it has ``close()`` and ``_emergency_stop()``) for clean-up at this process's exit and on
+    its SIGTERM / SIGHUP."""
+    with _HOOK_LOCK:
+        _this_process()
+        _LIVE[id(owner)] = weakref.ref(owner)
+        _install_exit_hooks()
+
+
+def untrack(owner: Any) -> None:
+    _LIVE.pop(id(owner), None)
+
+
+def _owned() -> list[Any]:
+    if _HOOKS["pid"] != os.getpid():
+        return []
+    return [o for o in (r() for r in list(_LIVE.values())) if o is not None]
+
+
+def stop_all(graceful: bool = False) -> None:
+    """Stop every registered owner of this process: ``close()`` when ``graceful``, else ``_emergency_stop()``."""
+    for owner in _owned():
+        try:
+            owner.close() if graceful else owner._emergency_stop()
+        except Exception:  # noqa: BLE001 - clean-up must go on with the others
+            log.exception("stopping %r failed", owner)
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    """Stop our servers, then die of the signal as the default disposition would have."""
+    stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_exit_hooks() -> None:
+    """``atexit`` closes what is still open; SIGTERM and SIGHUP, where they still have their default disposition
+    (end the process), stop it first and then end the process. A program with its own handler for them (``carl-train``
+    finishes the step and saves a checkpoint) keeps it and closes its env itself; ``atexit`` and the launchers'
+    watchdogs still cover it. Signal handlers can only be installed from the main thread. SIGINT is left alone: its
+    KeyboardInterrupt unwinds ``finally`` blocks and ends at ``atexit``."""
+    if not _HOOKS["atexit"]:
+        atexit.register(stop_all, True)
+        _HOOKS["atexit"] = True
+    if _HOOKS["signals"] or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in HOOKED_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_DFL:
+            continue
+        try:
+            signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+            continue
+    _HOOKS["signals"] = True
+
+
+def kill_group(pgid: int | None, grace: float = KILL_GRACE, wait: Callable[[float], bool] | None = None) -> None:
+    """SIGTERM the process group ``pgid``, SIGKILL it after ``grace`` seconds if it is still there.
+
+    ``wait(timeout) -> bool`` waits for the group's leader (e.g. ``Popen.wait``); without it the group is polled."""
+    if pgid is None or pgid <= 0:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace
+    if wait is not None:
+        wait(grace)
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # zombies still count for killpg(0): only living members matter
+    return any(_state(pid) not in ("Z", "X", None) for pid in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no procfs: assume the group is alive
+        return [pgid]
+    for name in names:
+        if name.isdigit():
+            try:
+                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid:
+                out.append(int(name))
+    return out
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def read_pid_file(path: Path) -> int | None:
+    """The process group id in a server's pid file, or None."""
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- ports
@@ -187,6 +333,7 @@ class CarlaServer:
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     proc: subprocess.Popen | None = None
+    kill_grace: float = KILL_GRACE  # seconds between SIGTERM and SIGKILL
 
     @property
     def command(self) -> list[str]:
@@ -202,17 +349,24 @@ class CarlaServer:
         return self.log_dir / f"carla_{self.ports.rpc}.pid"
 
     def start(self) -> None:
-        """Start the process as the leader of its own process group; output goes to :attr:`log_path`."""
+        """Start the process in its own process group under the watchdog launcher; output goes to :attr:`log_path`.
+
+        The launcher (:mod:`envs.carla.launcher`) leads the group, so ``proc.pid`` is the group id; it ends the group
+        when this process dies. The server is also registered for this process's exit and SIGTERM (:func:`track`)."""
         if self.alive():
             raise ServerError(f"server on port {self.ports.rpc} is already running (pid {self.proc.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log.info("starting CARLA server: %s", shlex.join(self.command))
+        launcher = [sys.executable, "-I", "-S", str(LAUNCHER), "--owner", str(os.getpid()), "--grace",
+                    str(self.kill_grace), "--"]
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(self.command)}\n".encode())
             out.flush()
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(launcher + self.command, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env={**os.environ, **self.env})
         self.pid_path.write_text(f"{self.proc.pid}\n")
+        track(self)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -253,28 +407,42 @@ class CarlaServer:
             s.settimeout(1.0)
             return s.connect_ex((self.host, self.ports.rpc)) == 0
 
-    def kill(self, wait: float = 10.0) -> None:
-        """Kill the whole process group, reap it, and wait (bounded) until the RPC port is free again."""
+    def stop(self, grace: float | None = None) -> None:
+        """Stop the whole process group: SIGTERM, SIGKILL after ``grace`` seconds (default :attr:`kill_grace`);
+        reap the launcher. Returns without waiting for the ports."""
+        untrack(self)
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = self.proc
+
+        def wait(timeout: float) -> bool:
             try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait / 2 if sig == signal.SIGTERM else wait)
-                break
+                proc.wait(timeout=timeout)
+                return True
             except subprocess.TimeoutExpired:
-                continue
-        try:  # children of the group may outlive the leader for a moment
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+                return False
+
+        kill_group(proc.pid, self.kill_grace if grace is None else grace, wait)  # proc.pid is the group id
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
+            log.error("CARLA server group %d did not exit after SIGKILL", proc.pid)
+
+    def kill(self, wait: float = 10.0) -> None:
+        """Kill the whole process group (:meth:`stop`), reap it, and wait (bounded) until the RPC port is free."""
+        if self.proc is None:
+            untrack(self)
+            return
+        self.stop(min(self.kill_grace, wait / 2))
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and not port_free(self.ports.rpc, self.host, reuse=True):
             time.sleep(0.1)
+
+    def close(self) -> None:
+        self.kill()
+
+    def _emergency_stop(self) -> None:  # SIGTERM of the owner: be quick
+        self.stop(min(self.kill_grace, 2.0))
 
     def restart(self, timeout: float | None = None) -> str:
         """Kill, start again on the same ports, wait until ready; counts the restart and returns the version."""

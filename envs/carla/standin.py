@@ -7,7 +7,13 @@ applying the controls the client-side TM sends. Vehicles move with the built-in 
 (``envs/sim/env.py``, default ``SimConfig`` constants) so that a policy sees the same first observations here and in
 the built-in simulator; walkers move in a straight line with their last ``WalkerControl``. Traffic lights: one
 ``traffic.traffic_light`` actor per signalised stop line of the map (the simulator's light groups and phases),
-cycling green -> yellow -> red per junction phase on simulation time; ``set_state`` / ``freeze`` work.
+cycling green -> yellow -> red per junction phase on simulation time; ``set_state`` / ``freeze`` work. Vehicle light
+states (``carla.VehicleLightState`` bits) are kept per vehicle as CARLA keeps them: set by ``Vehicle.set_light_state``
+or by the client-side Traffic Manager's ``SetVehicleLightState`` commands (``update_vehicle_lights``), read with
+``World.get_vehicles_light_states`` / ``Vehicle.get_light_state``.
+
+The process exits when its parent process goes away (``--no-parent-watch`` turns that off), so a stand-in never
+outlives the test or launcher that started it.
 
 Protocol (``docs/carla.md`` and the shared client notes, section 5): msgpack-RPC over TCP on the RPC port (every
 request carries a leading metadata argument; results are wrapped as ``carla::rpc::Response``), and one TCP connection
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import socket
 import socketserver
@@ -47,12 +54,15 @@ FIRST_ACTOR_ID = 100
 DEFAULT_SETTINGS = [False, False, [False], False, 0.01, 10, 0.0, True, 3000.0, 2000.0, False]
 # kinematic bicycle: the built-in simulator's SimConfig defaults (envs/sim/config.py)
 MAX_STEER, WHEELBASE, MAX_ACCEL, MAX_BRAKE = 0.6, 2.9, 4.0, 8.0
+GEAR_UP_SPEEDS = (6.0, 11.0, 16.0, 22.0)  # the simulator's automatic gearbox (envs/sim/observation.py)
 SPEED_LIMIT_KMH = 30.0
 ATTR_BOOL, ATTR_INT, ATTR_FLOAT, ATTR_STRING = 1, 2, 3, 4  # attribute type codes on the 0.9.16 wire
 # traffic lights: carla.TrafficLightState codes, and the stand-in's cycle (seconds) per junction phase
 TL_RED, TL_YELLOW, TL_GREEN, TL_OFF = 0, 1, 2, 3
 TL_GREEN_TIME, TL_YELLOW_TIME, TL_ALL_RED_TIME = 10.0, 3.0, 1.0
 TL_TAG = b"\x12"  # semantic tag 18 = TrafficLight
+CMD_SET_VEHICLE_LIGHT_STATE = 18  # carla::rpc::Command variant index of SetVehicleLightState [id, u32 flags] (0.9.16)
+PARENT_POLL_S = 0.25
 
 
 def _attr(name: str, kind: int, value: str, recommended: list[str] | None = None, modifiable: bool = False) -> list:
@@ -80,7 +90,7 @@ def _blueprints() -> dict[str, tuple[str, list, tuple[float, float, float]]]:
 
 @dataclass
 class Actor:
-    """One actor, pose in CARLA's left-handed frame (degrees), speed along the heading."""
+    """One actor, pose in CARLA's left-handed frame (degrees), speed along the velocity (heading + side slip)."""
 
     id: int
     type_id: str
@@ -95,6 +105,8 @@ class Actor:
     speed: float = 0.0
     control: list = field(default_factory=lambda: [0.0, 0.0, 0.0, False, False, False, 0])
     walker_dir: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    light_state: int = 0  # carla.VehicleLightState flags as last set by the client (CARLA changes them on request)
+    slip: float = 0.0  # side-slip angle of the last step (rad, our frame): the velocity points along yaw + slip
 
     @property
     def is_vehicle(self) -> bool:
@@ -133,11 +145,18 @@ class Actor:
         x_ours, y_ours = self.x + math.cos(heading) * v_mid * dt, -self.y + math.sin(heading) * v_mid * dt
         yaw_ours = yaw_ours + v_mid / (WHEELBASE / 2) * math.sin(beta) * dt
         yaw_ours = (yaw_ours + math.pi) % (2 * math.pi) - math.pi
-        self.x, self.y, self.yaw, self.speed = x_ours, -y_ours, -math.degrees(yaw_ours), v_new
+        self.x, self.y, self.yaw, self.speed, self.slip = x_ours, -y_ours, -math.degrees(yaw_ours), v_new, beta
+
+    def gear(self) -> int:
+        """The gear CARLA reports in the vehicle's control: the client's with manual shifting, else the automatic
+        gearbox's (here the simulator's: 1 at standstill, up-shifting at ``GEAR_UP_SPEEDS``)."""
+        if self.control[5]:  # manual_gear_shift
+            return int(self.control[6])
+        return 1 + sum(self.speed > g for g in GEAR_UP_SPEEDS)
 
     def record(self) -> bytes:
         """One 119-byte ``ActorDynamicState`` record (0.9.16 layout)."""
-        rad = math.radians(self.yaw)
+        rad = math.radians(self.yaw) - self.slip  # CARLA's frame is mirrored: our yaw + slip = -(CARLA yaw - slip)
         if self.is_walker:
             vx, vy = self.walker_dir[0] * self.speed, self.walker_dir[1] * self.speed
         else:
@@ -147,7 +166,7 @@ class Actor:
         if self.is_vehicle:
             c = self.control
             union = struct.pack("<3f3?if", float(c[0]), float(c[1]), float(c[2]), bool(c[3]), bool(c[4]), bool(c[5]),
-                                int(c[6]), SPEED_LIMIT_KMH)
+                                self.gear(), SPEED_LIMIT_KMH)
         else:
             union = b""
         return head + union.ljust(54, b"\0")
@@ -377,6 +396,18 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
             a.control = list(control)
         return VOID
 
+    def set_vehicle_lights(actor_id: int, state: Any) -> list:
+        a = w.actors.get(actor_id)  # rpc::VehicleLightState is [u32]; the batch command carries the bare u32
+        if a is not None and a.is_vehicle:
+            a.light_state = int(state[0] if isinstance(state, (list, tuple)) else state) & 0xFFFFFFFF
+        return VOID
+
+    def get_vehicle_lights(actor_id: int) -> list:
+        a = w.actors.get(actor_id)
+        if a is None or not a.is_vehicle:
+            raise RpcFailure(f"actor {actor_id} is not a vehicle")
+        return ok([a.light_state])
+
     def apply_walker_control(actor_id: int, control: list) -> list:
         a = w.actors.get(actor_id)
         if a is not None and a.is_walker:
@@ -407,6 +438,8 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
             index, payload = command[0]
             if index == 2:  # ApplyVehicleControl [id, control]
                 apply_control(payload[0], payload[1])
+            elif index == CMD_SET_VEHICLE_LIGHT_STATE:  # [id, flags]: the Traffic Manager's light updates
+                set_vehicle_lights(payload[0], payload[1])
             out.append([[1, payload[0] if isinstance(payload, list) and payload else 0]])
         if do_tick:
             w.tick()
@@ -481,7 +514,9 @@ def make_handlers(w: World, version: str = VERSION) -> dict[str, Callable[..., A
         "destroy_traffic_manager": lambda port: ok(w.tms.pop(port, None) is not None),
         "set_actor_simulate_physics": lambda actor_id, enabled: VOID,
         "set_actor_autopilot": lambda actor_id, enabled: VOID,
-        "get_vehicle_light_states": lambda: ok([[a.id, 0] for a in w.actors.values() if a.is_vehicle]),
+        "get_vehicle_light_states": lambda: ok([[a.id, a.light_state] for a in w.actors.values() if a.is_vehicle]),
+        "get_vehicle_light_state": get_vehicle_lights,
+        "set_vehicle_light_state": set_vehicle_lights,
         "get_weather_parameters": lambda: ok([0.0] * 14),
         "apply_batch": apply_batch,
         "reset_all_traffic_lights": reset_all,
@@ -600,6 +635,14 @@ def serve(rpc_port: int, stream_port: int, maps: dict[str, Path], town: str, hos
     return servers[0], servers[1]
 
 
+def _watch_parent(parent: int, stop: threading.Event) -> None:
+    """Set ``stop`` when this process is re-parented, i.e. the process that started it is gone."""
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() != parent:
+            log.warning("parent process %d is gone: stopping", parent)
+            stop.set()
+
+
 def _normalise_carla_flags(argv: list[str]) -> list[str]:
     """Map ``CarlaUE4.sh`` flags onto ours and drop the ones that mean nothing here (-RenderOffScreen, ...)."""
     out = []
@@ -624,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--verbose", action="store_true", help="log every RPC")
     p.add_argument("--report-version", default=VERSION, help="version string to report (tests of mismatch errors)")
+    p.add_argument("--no-parent-watch", action="store_true",
+                   help="keep serving when the parent process exits (default: exit with it)")
     args = p.parse_args(_normalise_carla_flags(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = Path(args.map)
@@ -639,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: stop.set())
+    if not args.no_parent_watch:
+        threading.Thread(target=_watch_parent, args=(os.getppid(), stop), daemon=True, name="standin-parent").start()
     stop.wait()
     rpc.shutdown()
     stream.shutdown()

@@ -7,6 +7,11 @@ background threads. Crashes inside a worker (server death, client time-outs) are
 worker *process* dies, the parent kills its server's process group, starts a fresh worker on the same ports,
 truncates that row's episode and counts the restart. Observations and rewards come back as numpy arrays and are
 stacked into tensors on the trainer's device.
+
+Process lifetime: workers are daemon processes that watch their parent and, when it dies, stop their server and exit;
+a worker's server runs under the watchdog launcher of :mod:`envs.carla.servers`, so it also dies with its worker. The
+env is registered for the main process's exit and SIGTERM (:func:`envs.carla.servers.track`); ``close()`` (also as a
+context manager) stops workers and servers.
 """
 from __future__ import annotations
 
@@ -15,8 +20,11 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,21 +32,52 @@ import torch
 from torch import Tensor
 
 from envs.api import BatchedEnv, StepResult, TensorSpec
-from envs.carla.servers import CarlaServer, PortAllocator, PortBlock, resolve_executable
+from envs.carla.servers import (CarlaServer, PortAllocator, PortBlock, kill_group, read_pid_file, resolve_executable,
+                                track, untrack)
 from envs.carla.worker import CarlaConfig, CarlaError, split_options
 from envs.sim.config import SimConfig
 
 log = logging.getLogger(__name__)
 
 READY_SLACK = 120.0  # seconds on top of the server's ready_timeout for a worker to come up (map compile, routes)
+PARENT_POLL_S = 0.2  # how often a worker checks that the main process is alive
 
 
 def _to_numpy(d: dict[str, Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in d.items()}
 
 
-def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int) -> None:
+def _watch_parent(main_pid: int, owned: list[CarlaServer | None]) -> None:
+    """Worker thread: when the main process is gone, stop this worker's server and end the worker at once.
+
+    The parent changes (re-parented to init or a subreaper) when the main process dies, also by SIGKILL; with the
+    ``forkserver`` start method the parent is the fork server, so the main process's pid is checked as well."""
+    parent = os.getppid()
+    while True:
+        time.sleep(PARENT_POLL_S)
+        gone = os.getppid() != parent
+        if not gone and parent != main_pid:
+            try:
+                os.kill(main_pid, 0)
+            except ProcessLookupError:
+                gone = True
+            except PermissionError:
+                pass
+        if gone:
+            server = owned[0]
+            try:
+                if server is not None:
+                    server.stop(grace=2.0)
+            finally:
+                os._exit(1)
+
+
+def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: PortBlock, seed: int,
+                 main_pid: int | None = None) -> None:
     """Worker process: start the server (if launching), build the worker, then serve reset/step/close requests."""
+    owned: list[CarlaServer | None] = [None]
+    if main_pid is not None:  # first of all: a worker never outlives the main process
+        threading.Thread(target=_watch_parent, args=(main_pid, owned), daemon=True, name="carla-parent-watch").start()
     from envs.carla.worker import CarlaWorker  # noqa: PLC0415 - imported in the child
 
     server = None
@@ -46,10 +85,11 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
     expert = None
     try:
         if ccfg.launch:
-            server = CarlaServer(resolve_executable(ccfg.executable), block, log_dir=__import__("pathlib").Path(
-                ccfg.log_dir), host=ccfg.host, gpu=(ccfg.gpus[seed % len(ccfg.gpus)] if ccfg.gpus else None),
-                no_rendering=ccfg.no_rendering, extra_args=ccfg.extra_args, ready_timeout=ccfg.ready_timeout,
-                check_version=ccfg.check_version)
+            server = CarlaServer(resolve_executable(ccfg.executable), block, log_dir=Path(ccfg.log_dir),
+                                 host=ccfg.host, gpu=(ccfg.gpus[seed % len(ccfg.gpus)] if ccfg.gpus else None),
+                                 no_rendering=ccfg.no_rendering, extra_args=ccfg.extra_args,
+                                 ready_timeout=ccfg.ready_timeout, check_version=ccfg.check_version)
+            owned[0] = server
             server.start()
             conn.send(("server", server.proc.pid))
             server.wait_ready()
@@ -112,6 +152,8 @@ class CarlaVectorEnv(BatchedEnv):
         self.row_restarts = np.zeros(num_envs, np.float32)  # worker-process restarts per row
         self._info_template: dict[str, np.ndarray] | None = None  # zeros shaped like one row's info
         self._closed = False
+        self._started = time.time()
+        track(self)  # closed at interpreter exit; workers and servers stopped on SIGTERM
         try:
             for i in range(num_envs):
                 self._spawn(i)
@@ -129,8 +171,8 @@ class CarlaVectorEnv(BatchedEnv):
         parent, child = self.ctx.Pipe()
         # worker i of N drives routes first_route + i, + N, ...: the workers share a route file between them
         scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i, route_stride=self.num_envs)
-        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i),
-                             daemon=True, name=f"carla-worker-{i}")
+        p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i,
+                                                        os.getpid()), daemon=True, name=f"carla-worker-{i}")
         p.start()
         child.close()
         self.procs[i], self.conns[i], self.server_pids[i] = p, parent, None
@@ -160,9 +202,9 @@ class CarlaVectorEnv(BatchedEnv):
         self.process_restarts += 1
         self.row_restarts[i] += 1
         log.warning("CARLA worker %d died; restarting it (process restart #%d)", i, self.process_restarts)
-        if self.server_pids[i] is not None:
+        for pgid in self._server_groups(i):
             try:
-                os.killpg(self.server_pids[i], signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self.procs[i].join(timeout=5.0)
@@ -209,7 +251,10 @@ class CarlaVectorEnv(BatchedEnv):
             raise ValueError("action contains NaN; actions must be finite in [-1, 1]")
         a = action.clamp(-1.0, 1.0).cpu().numpy()
         for i, c in enumerate(self.conns):
-            c.send(("step", a[i]))
+            try:
+                c.send(("step", a[i]))
+            except (BrokenPipeError, ConnectionResetError):  # a dead worker: its recv below fails and replaces it
+                pass
         obs, rew, term, trunc, infos = [], [], [], [], []
         for i in range(self.num_envs):
             try:
@@ -245,28 +290,66 @@ class CarlaVectorEnv(BatchedEnv):
                           torch.as_tensor(np.concatenate(term)).to(self.device),
                           torch.as_tensor(np.concatenate(trunc)).to(self.device), merged)
 
+    def _server_groups(self, i: int) -> list[int]:
+        """Process groups of row i's server: the first one the worker reported and the current one from its pid file
+        (``log_dir/carla_<rpc port>.pid``, rewritten when the worker restarts its server)."""
+        pids = [self.server_pids[i]]
+        pid_file = Path(self.ccfg.log_dir) / f"carla_{self.blocks[i].rpc}.pid"
+        try:
+            if self.ccfg.launch and pid_file.stat().st_mtime >= self._started - 1.0:  # not one of an earlier run
+                pids.append(read_pid_file(pid_file))
+        except OSError:
+            pass
+        return list(dict.fromkeys(p for p in pids if p))
+
     def close(self) -> None:
+        """Ask every worker to close (it destroys its actors and stops its server), wait, then make sure: kill
+        workers that did not exit and stop every server process group of this env."""
         if self._closed:
             return
         self._closed = True
+        untrack(self)
         for c in self.conns:
             if c is not None:
                 try:
                     c.send(("close", None))
                 except (OSError, BrokenPipeError):
                     pass
-        for i, p in enumerate(self.procs):
-            if p is None:
-                continue
-            p.join(timeout=15.0)
+        deadline = time.monotonic() + 15.0
+        for p in self.procs:
+            if p is not None:
+                p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._stop_processes(grace=2.0)
+        for c in self.conns:
+            if c is not None:
+                c.close()
+
+    def _stop_processes(self, grace: float) -> None:
+        """Workers: SIGTERM (a worker then stops its server), SIGKILL after ``grace``; then every server group."""
+        procs = [p for p in self.procs if p is not None and p.is_alive()]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace + 1.0
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.05))
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5.0)
-            if self.server_pids[i] is not None:
-                try:
-                    os.killpg(self.server_pids[i], signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                p.join(timeout=2.0)
+        for i in range(self.num_envs):
+            for pgid in self._server_groups(i):
+                kill_group(pgid, grace)
+
+    def _emergency_stop(self) -> None:
+        """The main process got SIGTERM: stop workers and servers now (no per-worker clean-up of actors)."""
+        self._closed = True
+        untrack(self)
+        self._stop_processes(grace=2.0)
+
+    def __enter__(self) -> "CarlaVectorEnv":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:

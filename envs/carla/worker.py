@@ -8,7 +8,7 @@ and the reward are the built-in simulator's code. It overrides only what moves t
 * ``_move_ego`` -- ``carla.VehicleControl(throttle, steer, brake)`` from the action (our steer is positive to the
   left, CARLA's to the right, so the sign flips);
 * ``_move_actors`` -- one synchronous ``world.tick()`` (``dt`` = 0.1 s) and a read of ego pose/speed and all
-  vehicles and walkers;
+  vehicles and walkers, and of the vehicles' light states (one ``get_vehicles_light_states`` RPC per tick);
 * ``_observe`` -- re-applies the last CARLA reading first (the simulator's periodic respawn of far vehicles would
   otherwise move actors that CARLA owns).
 
@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from envs.api import StepResult
-from envs.carla.mapping import Reading, build_carla_world, fill_pedestrians, fill_vehicles, graph_from_xodr, route_towns
+from envs.carla.mapping import (Reading, build_carla_world, ego_frame_velocity, fill_pedestrians, fill_vehicles,
+                                graph_from_xodr, is_emergency, route_towns, vehicle_lights)
 from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
 from envs.maps.opendrive import carla_to_world, world_to_carla, world_yaw_to_carla
 from envs.sim.config import ConfigError, SimConfig, from_dict
@@ -81,6 +82,7 @@ class CarlaConfig:
     log_dir: str = "carla_logs"
     start_method: str = "spawn"  # multiprocessing start method of the worker processes
     carla_lights: bool = True  # light states from CARLA's traffic-light actors; false = the simulator's light cycle
+    vehicle_lights: bool = True  # the Traffic Manager drives background vehicles' brake lights and blinkers
 
     def validate(self) -> "CarlaConfig":
         def need(cond: bool, key: str, fix: str) -> None:
@@ -209,6 +211,7 @@ class _Tracked:
     walkers: list[Any] = field(default_factory=list)
     controllers: list[Any] = field(default_factory=list)
     half: dict[int, tuple[float, float]] = field(default_factory=dict)
+    emergency: dict[int, bool] = field(default_factory=dict)  # vehicles with special_type == "emergency"
 
 
 class CarlaWorker(SimEnv):
@@ -341,8 +344,11 @@ class CarlaWorker(SimEnv):
                 v = self.cworld.try_spawn_actor(b, tf)
                 if v is not None:
                     v.set_autopilot(True, self.tm_port)
+                    if c.vehicle_lights:  # brake lights and blinkers, as the leaderboard's background traffic
+                        self.tm.update_vehicle_lights(v, True)
                     t.vehicles.append(v)
                     t.half[v.id] = self._half(v)
+                    t.emergency[v.id] = is_emergency(v)
         if c.traffic_pedestrians > 0:
             self._spawn_walkers(ego, c.traffic_pedestrians)
         self.cworld.tick()
@@ -394,7 +400,8 @@ class CarlaWorker(SimEnv):
 
     # ------------------------------------------------------------------ reading CARLA's state
     def _read(self, s: SimState) -> None:
-        """Ego pose/speed and all tracked actors from the latest world snapshot (no RPC: the state stream)."""
+        """Ego pose/speed and all tracked actors from the latest world snapshot (no RPC: the state stream), and the
+        vehicles' light states (one RPC for all of them; the snapshot does not carry them)."""
         snap = self.cworld.get_snapshot()
         t = self._tracked
         e = snap.find(t.ego.id)
@@ -404,12 +411,22 @@ class CarlaWorker(SimEnv):
         s.ego_xy = torch.as_tensor(ego.xy, device=self.device)
         s.ego_yaw = torch.as_tensor(ego.yaw, device=self.device)
         s.ego_speed = torch.as_tensor(ego.speed, device=self.device)
+        vel, yaw = e.get_velocity(), e.get_transform().rotation.yaw
+        s.ego_vel_local = torch.as_tensor(ego_frame_velocity(vel.x, vel.y, yaw), device=self.device).unsqueeze(0)
+        s.gear = torch.tensor([float(t.ego.get_control().gear)], device=self.device)  # CARLA's gearbox (state stream)
         readings = []
         for group in (t.vehicles, t.walkers):
             snaps = [(snap.find(a.id), a.id) for a in group]
             snaps = [(x, i) for x, i in snaps if x is not None]
-            readings.append(Reading.from_carla(*self._arrays([x for x, _ in snaps], [i for _, i in snaps]))
-                            if snaps else Reading.empty())
+            if not snaps:
+                readings.append(Reading.empty())
+                continue
+            ids = [i for _, i in snaps]
+            lights = None
+            if group is t.vehicles:
+                lights = vehicle_lights(self.cworld.get_vehicles_light_states(), ids,
+                                        [t.emergency.get(i, False) for i in ids])
+            readings.append(Reading.from_carla(*self._arrays([x for x, _ in snaps], ids), lights))
         self._last = (readings[0], readings[1])
         self._apply_last(s)
         self._read_lights()

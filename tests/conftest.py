@@ -1,0 +1,34 @@
+"""Shared test set-up. No process left behind: every process this test session starts carries an environment tag
+(``CARL_PROCESS_TAG``, inherited by children and grandchildren, also after they are re-parented to init), and for
+every test module with tests marked ``carla`` an autouse fixture checks at the end of the module that no process
+started during the module is still alive: neither a descendant of this process nor a tagged process anywhere (a CARLA
+server or stand-in that lost its owner). Survivors fail the module (error at teardown) and are killed."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from envs.carla.testing import TAG_VAR, describe, kill_all, survivors, tagged, descendants, wait_for
+
+SESSION_TAG = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ[TAG_VAR] = SESSION_TAG  # inherited by every process this session starts
+LEFTOVER_TIMEOUT_S = 10.0  # servers get SIGTERM then SIGKILL after a 5 s grace: give them that long to go
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind(request: pytest.FixtureRequest):
+    """For modules with ``carla`` tests: no process started during the module survives it."""
+    module = request.module
+    if not any(getattr(item, "module", None) is module and item.get_closest_marker("carla")
+               for item in request.session.items):
+        yield
+        return
+    before = descendants(os.getpid()) | tagged(SESSION_TAG)
+    yield
+    left = wait_for(lambda: survivors(before, SESSION_TAG), LEFTOVER_TIMEOUT_S)
+    if left:
+        kill_all(left)
+        pytest.fail(f"{len(left)} process(es) started by {module.__name__} outlived it:\n{describe(left)}",
+                    pytrace=False)
