@@ -336,6 +336,10 @@ def make_record(index: int, route_id: str, ep: dict[str, float], route_length: f
     for name, n in counts.items():
         infractions[LB_INFRACTION_KEYS[name]] += [f"{name.replace('_', ' ')} #{i + 1} (built-in simulator)"
                                                   for i in range(n)]
+    if counts.get("outside_lanes") and "episode/outside_lanes_pct" in ep:  # the Leaderboard's one event, with its %
+        infractions["outside_route_lanes"] = [
+            f"Agent went outside its route lanes for about {ep['episode/outside_lanes_pct']:.3f}% of the route "
+            f"({counts['outside_lanes']} times)"]
     reason = next((k.rsplit("/", 1)[1] for k, v in ep.items() if k.startswith("episode/termination/") and v), "unknown")
     rc = round(float(ep["episode/route_completion"]), 4)
     penalty = round(float(ep["episode/infraction_score"]), 6)

@@ -188,22 +188,21 @@ def respawn_vehicles(world: World, veh: Vehicles, ego_xy: Tensor, route_id: Tens
     rid = route_id.unsqueeze(1).expand(B, A)
     lane = world.route_lane[rid, k]
     s = world.route_s[rid, k]
-    xy, yaw = lane_pose(world, lane, s)
-    others = torch.where(stale.unsqueeze(-1), torch.full_like(veh.xy, 1e6), veh.xy)
-    d = (xy.unsqueeze(2) - others.unsqueeze(1)).norm(dim=-1).min(-1).values
-    dup = (xy.unsqueeze(2) - xy.unsqueeze(1)).norm(dim=-1) < 10.0
-    dup &= torch.ones(A, A, dtype=torch.bool, device=dev).tril(-1)
-    ok = stale & (d > 10.0) & ~dup.any(-1) & ((xy - ego_xy.unsqueeze(1)).norm(dim=-1) > min_ego_dist)
-    # keep a few slots on other lanes so traffic also comes from the sides: half of the stale slots use the map
+    # keep a few slots on other lanes so traffic also comes from the sides: 30 % of the stale slots use the map
     from envs.sim.world import sample_spawn
 
     lane2, s2 = sample_spawn(world, (B, A), gen)
     use_map = torch.rand((B, A), generator=gen, device=dev) < 0.3
     lane = torch.where(use_map, lane2, lane)
     s = torch.where(use_map, s2, s)
-    xy2, yaw2 = lane_pose(world, lane, s)
-    near_ok = (xy2 - ego_xy.unsqueeze(1)).norm(dim=-1) < far
-    ok &= ~use_map | near_ok
+    xy, _ = lane_pose(world, lane, s)
+    # every new place, wherever it came from, clear of the other vehicles and of the ego (map places: within ``far``)
+    others = torch.where(stale.unsqueeze(-1), torch.full_like(veh.xy, 1e6), veh.xy)
+    d = (xy.unsqueeze(2) - others.unsqueeze(1)).norm(dim=-1).min(-1).values
+    dup = (xy.unsqueeze(2) - xy.unsqueeze(1)).norm(dim=-1) < 10.0
+    dup &= torch.ones(A, A, dtype=torch.bool, device=dev).tril(-1)
+    ego_d = (xy - ego_xy.unsqueeze(1)).norm(dim=-1)
+    ok = stale & (d > 10.0) & ~dup.any(-1) & (ego_d > min_ego_dist) & (~use_map | (ego_d < far))
     veh.lane = torch.where(ok, lane, veh.lane)
     veh.s = torch.where(ok, s, veh.s)
     veh.speed = torch.where(ok, world.lane_speed[lane] * 0.5, veh.speed)
@@ -308,7 +307,7 @@ def roadside_points(world: World, route_id: Tensor, idx: Tensor, gen: torch.Gene
 
 
 def spawn_statics(world: World, route_id: Tensor, route_idx: Tensor, num: int, gen: torch.Generator) -> Statics:
-    """Parked obstacles at the kerb of the route ahead."""
+    """Parked obstacles at the kerb of the route ahead (only where the route's lane is the rightmost one)."""
     B = route_id.shape[0]
     dev = route_id.device
     half = sizes((B, num), gen, dev)
@@ -316,6 +315,8 @@ def spawn_statics(world: World, route_id: Tensor, route_idx: Tensor, num: int, g
     n = world.route_n[route_id].unsqueeze(1)
     idx = torch.minimum(route_idx.unsqueeze(1) + ahead, n - 1)
     xy, yaw = roadside_points(world, route_id, idx, gen, half[..., 1])
-    junction = world.route_junction[route_id.unsqueeze(1).expand_as(idx), idx]
-    valid = (idx < n - 1) & ~junction
+    rid = route_id.unsqueeze(1).expand_as(idx)
+    junction = world.route_junction[rid, idx]
+    kerb = world.lane_kerb[world.route_lane[rid, idx]]  # never in a lane to the right of the route's
+    valid = (idx < n - 1) & ~junction & kerb
     return Statics(xy, yaw, half, valid)

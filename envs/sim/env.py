@@ -417,6 +417,7 @@ class SimEnv(BatchedEnv):
             "episode/return": s.ep_return.clone(), "episode/length": s.steps.float(), "episode/route_completion": s.rc.clone(),
             "episode/infraction_score": score, "episode/driving_score": (s.rc * score).clamp(min=0.0),
             "episode/km": route_len * s.rc / 100.0 / 1000.0, "episode/route_id": s.route_id.clone(),
+            "episode/outside_lanes_pct": outside_pct, "episode/min_speed_factor": s.crit.ms_factor.clone(),
         }
         for i, name in enumerate(INFRACTIONS):
             info[f"episode/infractions/{name}"] = s.counts[:, i].float()
