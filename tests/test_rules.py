@@ -342,3 +342,20 @@ def test_lane_measures_follow_a_width_taper():
     assert float(wide["lane_ratio"][0]) == pytest.approx(2.0 / 2.25, abs=0.03)
     narrow = infractions.lane_measures(env.world, torch.tensor([[2.0, -1.5 - 1.2]]), yaw)  # w(2) ~ 3.0 m
     assert float(narrow["lane_ratio"][0]) == pytest.approx(1.2 / 1.5, abs=0.03)
+
+
+def test_moving_box_overlap_matches_the_overlap_of_moved_boxes():
+    from envs.sim.geometry import boxes_overlap, boxes_overlap_moving
+
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    c1, c2 = torch.rand(n, 2, generator=g) * 20, torch.rand(n, 2, generator=g) * 20
+    y1, y2 = torch.rand(n, generator=g) * 7, torch.rand(n, generator=g) * 7
+    h1, h2 = 0.3 + torch.rand(n, 2, generator=g) * 3, 0.3 + torch.rand(n, 2, generator=g) * 3
+    v1, v2 = (torch.rand(n, 2, generator=g) - 0.5) * 30, (torch.rand(n, 2, generator=g) - 0.5) * 30
+    times = torch.tensor([0.1, 0.5, 0.9])
+    got = boxes_overlap_moving(c1, y1, h1, v1, c2, y2, h2, v2, times)
+    for k, t in enumerate(times):
+        want = boxes_overlap(c1 + v1 * t, y1, h1, c2 + v2 * t, y2, h2)
+        assert (got[:, k] == want).float().mean() > 0.999  # float rounding at touching boxes only
+    assert got.any() and not got.all()

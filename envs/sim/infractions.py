@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from envs.maps.raster import LAYER_ROAD, LAYER_SHOULDER
-from envs.sim.geometry import boxes_overlap, wrap_angle
+from envs.sim.geometry import boxes_overlap, boxes_overlap_moving, wrap_angle
 from envs.sim.raster import box_fraction_on
 from envs.sim.world import World, lane_lookup
 
@@ -94,12 +94,10 @@ def ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: 
 
     Every actor is checked (vehicles, walkers, statics), as CaRL does; no nearest-N cap."""
     tt = torch.tensor(times, device=ego_xy.device)  # [T]
-    ego_dir = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1)
-    odir = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-    ego_f = ego_xy[:, None, None] + (ego_dir * ego_speed.unsqueeze(-1))[:, None, None] * tt[None, None, :, None]
-    oth_f = xy[:, :, None] + (odir * speed.unsqueeze(-1))[:, :, None] * tt[None, None, :, None]  # [B,N,T,2]
-    hit = boxes_overlap(ego_f, ego_yaw[:, None, None], ego_half[:, None, None], oth_f, yaw[..., None],
-                        half[:, :, None])
+    ego_v = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1) * ego_speed.unsqueeze(-1)
+    other_v = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * speed.unsqueeze(-1)
+    hit = boxes_overlap_moving(ego_xy.unsqueeze(1), ego_yaw.unsqueeze(1), ego_half.unsqueeze(1), ego_v.unsqueeze(1),
+                               xy, yaw, half, other_v, tt)  # [B, N, T]
     return (hit.any(-1) & valid).any(-1) & (ego_speed >= 0.1)
 
 
