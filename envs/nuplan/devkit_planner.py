@@ -125,6 +125,7 @@ class ObservationBuilder:
         yaw = f([ego_yaw])
         s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
         s.ego_yaw, s.ego_speed, s.ego_accel, s.ego_steer = yaw, f([speed]), f([accel]), f([steer])
+        s.ego_vel_local = f([[speed, 0.0]])  # the devkit's ego moves along its heading (rear-axle bicycle)
         la = np.asarray(last_action, np.float32).reshape(-1)
         s.last_action = f([[la[0], max(la[1], 0.0), max(-la[1], 0.0)]])
         s.route_idx = route_progress(env.world, s.route_id, s.route_idx, s.ego_xy)
