@@ -62,44 +62,38 @@ def test_collision_coefficient_and_the_route_goes_on(kind, coefficient, key):
     assert not group.valid[0, 0], "the hit actor must not stay glued to the ego"
 
 
-def drive_through_control(env: SimEnv, control: int, red: bool, steps: int = 600) -> dict[str, float]:
-    """Expert steering, constant throttle, along a route with a stop line of ``control`` (1 light, 2 stop sign)."""
-    w = env.world
+def drive_through_control(control: int, red: bool, steps: int = 600, **options) -> dict[str, float]:
+    """Expert steering, constant throttle, along the first held-out route with a stop line of ``control`` (1 light,
+    2 stop sign); the episode's statistics once it ran that line (or after ``steps``)."""
+    options = {**SMALL, "rules": "leaderboard", "traffic": False, "route_split": "eval", **options}
+    w = make_env("sim", 1, "cpu", 0, **options).world
     stops = w.route_ev_stop
-    has = ((stops >= 0) & (w.stop_control[stops.clamp(min=0)] == control)).any(1)
-    route = int(torch.nonzero(has).flatten()[0])
-    env.next_route[:] = route
-    env.cfg.route_split = "eval"  # keep the assignment
+    route = int(torch.nonzero(((stops >= 0) & (w.stop_control[stops.clamp(min=0)] == control)).any(1))[0])
+    env = make_env("sim", 1, "cpu", 0, **options, first_route=route)
     env.reset()
-    env.next_route[:] = route
-    env.state = env._initial_state(torch.arange(1))
     if red:
         env._lights = lambda s, group: (torch.where(group >= 0, 2, 0), torch.zeros_like(group, dtype=torch.float))
     expert = Expert(env)
-    before = None
+    key = f"episode/infractions/{'red_light' if control == 1 else 'stop_sign'}"
     for _ in range(steps):
         a = expert(None)
         a[:, 1] = 0.35
         env.step(a)
         ep = env.running_episodes()
-        if ep[f"episode/infractions/{'red_light' if control == 1 else 'stop_sign'}"][0] > 0:
-            return {k: float(v[0]) for k, v in ep.items()}
-        before = ep
-    return {k: float(v[0]) for k, v in before.items()}
+        if ep[key][0] > 0:
+            break
+    return {k: float(v[0]) for k, v in ep.items()}
 
 
 def test_red_light_coefficient():
-    env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": "leaderboard", "traffic": False})
-    ep = drive_through_control(env, control=1, red=True)
+    ep = drive_through_control(control=1, red=True)
     assert ep["episode/infractions/red_light"] == 1.0
     assert ep["episode/infractions/outside_lanes"] == 0.0
     assert ep["episode/infraction_score"] == pytest.approx(0.7)
 
 
 def test_stop_sign_coefficient():
-    env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": "leaderboard", "traffic": False,
-                                          "procedural": {"signal_fraction": 0.0}})
-    ep = drive_through_control(env, control=2, red=False)
+    ep = drive_through_control(control=2, red=False, procedural={"signal_fraction": 0.0})
     assert ep["episode/infractions/stop_sign"] == 1.0
     assert ep["episode/infractions/outside_lanes"] == 0.0
     assert ep["episode/infraction_score"] == pytest.approx(0.8)
@@ -272,7 +266,7 @@ def test_route_deviation_both_rules():
     # rule 2: 20 m beside the route, the route progress made there counts; 0.3 x 199 m = 59.7 m: fires at x = 60
     idx, out = rid.clone(), zero.clone()
     for k in range(1, 199):
-        dev, idx, out, _ = check([float(k), 20.0], idx, out)
+        dev, idx, out = check([float(k), 20.0], idx, out)
         assert int(idx[0]) == k
         if bool(dev[0]):
             break
@@ -280,7 +274,7 @@ def test_route_deviation_both_rules():
     # 14 m beside it is "safe": never deviated
     idx, out = rid.clone(), zero.clone()
     for k in range(1, 199):
-        dev, idx, out, _ = check([float(k), 14.0], idx, out)
+        dev, idx, out = check([float(k), 14.0], idx, out)
         assert not bool(dev[0])
     # the window: a jump of 8 points ahead reaches only 5 of them
     assert int(check([8.0, 0.0], rid, zero)[1][0]) == 5

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.maps.procedural import ProceduralConfig
+from envs.sim.criteria import RULES
 from envs.reward import RewardConfig
 
 
@@ -57,9 +58,11 @@ class SimConfig:
     max_time: float = 1200.0
     blocked_time: float = 90.0
     blocked_speed: float = 0.1
-    route_deviation: float = 30.0  # m from the route: deviated
-    route_deviation_safe: float = 15.0  # m: route progress made farther than this counts towards ...
-    route_deviation_fraction: float = 0.3  # ... this fraction of the route: deviated (CaRL's second rule; 0 = off)
+    # InRouteTest (CaRL's and Leaderboard 2.0's): deviated at route_deviation m from the route, or once the route
+    # progress made route_deviation_safe m or more away exceeds route_deviation_fraction of the route (0 = rule off)
+    route_deviation: float = 30.0
+    route_deviation_safe: float = 15.0
+    route_deviation_fraction: float = 0.3
     off_road_fraction: float = 0.95
     reward: RewardConfig = field(default_factory=RewardConfig)
 
@@ -69,7 +72,7 @@ class SimConfig:
                 raise ConfigError(f"env.{key}={getattr(self, key)!r}: {fix}")
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
-        need(self.rules in ("carl", "leaderboard"), "rules",
+        need(self.rules in RULES, "rules",
              "use 'carl' (CaRL's training terminations) or 'leaderboard' (Leaderboard 2.0 scoring)")
         need(0 < self.route_deviation_safe <= self.route_deviation, "route_deviation_safe",
              "must be in (0, route_deviation]")

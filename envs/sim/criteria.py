@@ -23,9 +23,6 @@ COLLISION_SAME_ACTOR_S = 5.0  # s: a collision with the last actor within this t
 COLLISION_MIN_EGO_SPEED = 0.1  # m/s: a slower ego is not at fault (not recorded)
 LB_BLOCKED_TIME = 180.0  # s below LB_BLOCKED_SPEED
 LB_BLOCKED_SPEED = 0.1
-LB_ROUTE_DEVIATION = 30.0  # m from the nearest route point: deviated; or ...
-LB_ROUTE_DEVIATION_SAFE = 15.0  # ... route progress made this far or farther from the route exceeds ...
-LB_ROUTE_DEVIATION_FRACTION = 0.3  # ... this fraction of the route (InRouteTest; CaRL trains with the same rule)
 ROUTE_TIMEOUT_BASE = 300.0  # s, plus the time to drive the progressed distance at ...
 ROUTE_TIMEOUT_SPEED_FRACTION = 0.1  # ... 10 % of the speed limit
 MIN_SPEED_CHECKPOINTS = 4  # per route, evenly spaced by route length
@@ -72,20 +69,15 @@ class CriteriaState:
 
 
 def first_hit(hits: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Per-class overlap masks {class: bool [B, N]} -> (class index [B] (-1 none), actor key [B]).
+    """Per-class overlap masks {class: bool [B, N]} -> (class index [B] (-1 none), actor key [B] (-1 none)).
 
     The first class in ACTOR_CLASSES order with an overlap wins (at most one collision is recorded per tick: a
     second one would lie within COLLISION_RADIUS of the first)."""
-    cls = None
-    key = None
-    for c in reversed(range(len(ACTOR_CLASSES))):
-        hit = hits[ACTOR_CLASSES[c]]
-        any_hit = hit.any(1)
-        idx = hit.float().argmax(1)
-        this_key = c * 1_000_000 + idx
-        cls = torch.where(any_hit, torch.full_like(idx, c), cls if cls is not None else torch.full_like(idx, -1))
-        key = torch.where(any_hit, this_key, key if key is not None else torch.full_like(idx, -1))
-    return cls, key
+    any_hit = torch.stack([hits[c].any(1) for c in ACTOR_CLASSES], 1)  # [B, C]
+    first = torch.stack([hits[c].float().argmax(1) for c in ACTOR_CLASSES], 1)  # [B, C] first actor hit per class
+    cls = torch.where(any_hit.any(1), any_hit.float().argmax(1), -1)
+    key = cls * 1_000_000 + first.gather(1, cls.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return cls, torch.where(cls >= 0, key, -1)
 
 
 def record_collisions(st: CriteriaState, cls: Tensor, key: Tensor, ego_xy: Tensor, ego_speed: Tensor, t: Tensor

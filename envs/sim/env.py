@@ -233,10 +233,9 @@ class SimEnv(BatchedEnv):
         progress = rc - s.rc
         travelled = w.route_cum[s.route_id, new_idx] - w.route_cum[s.route_id, s.route_idx]
         s.route_idx, s.rc = new_idx, rc
-        deviated, c.dev_idx, c.out_route_m, _ = infractions.route_deviation(
-            w, s.route_id, c.dev_idx, s.ego_xy, c.out_route_m,
-            *((criteria.LB_ROUTE_DEVIATION_SAFE, criteria.LB_ROUTE_DEVIATION, criteria.LB_ROUTE_DEVIATION_FRACTION)
-              if leaderboard else (cfg.route_deviation_safe, cfg.route_deviation, cfg.route_deviation_fraction)))
+        deviated, c.dev_idx, c.out_route_m = infractions.route_deviation(
+            w, s.route_id, c.dev_idx, s.ego_xy, c.out_route_m, cfg.route_deviation_safe, cfg.route_deviation,
+            cfg.route_deviation_fraction)
         lane = infractions.lane_measures(w, s.ego_xy, s.ego_yaw)
         c.wrong_way = infractions.wrong_way(lane, s.ego_yaw, c.prev_lane, c.prev_lane_yaw, c.prev_junction,
                                             c.wrong_way)

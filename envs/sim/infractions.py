@@ -48,28 +48,26 @@ def route_progress(world: World, route_id: Tensor, idx: Tensor, ego_xy: Tensor) 
 
 
 def route_deviation(world: World, route_id: Tensor, dev_idx: Tensor, ego_xy: Tensor, out_m: Tensor,
-                    safe_m: float, max_m: float, max_fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``InRouteTest`` (CaRL's training version): the nearest of the route points ``dev_idx .. dev_idx + 5``.
+                    safe_m: float, max_m: float, max_fraction: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``InRouteTest`` (CaRL's and Leaderboard 2.0's): the nearest of the route points ``dev_idx .. dev_idx + 5``.
 
     Deviated when that point is ``max_m`` (30 m) or more away, or when the route length advanced while ``safe_m``
-    (15 m) or more from the route exceeds ``max_fraction`` (30 %) of the route. Returns (deviated, new index,
-    new out-of-route metres, distance to the route); ``max_fraction <= 0`` disables the second rule (Leaderboard 2.0).
+    (15 m) or more from the route exceeds ``max_fraction`` (30 %) of the route (``max_fraction`` 0: rule off).
+    Returns (deviated, new index, new out-of-route metres).
     """
     n = world.route_n[route_id]
     k = (dev_idx.unsqueeze(1) + torch.arange(DEVIATION_WINDOW + 1, device=dev_idx.device)).clamp(
         max=(n - 1).unsqueeze(1))
     rid = route_id.unsqueeze(1).expand_as(k)
     dist = (ego_xy.unsqueeze(1) - world.route_pts[rid, k]).norm(dim=-1)
-    # the last of equally near points, like the criterion's "<=" scan
-    flipped = dist.flip(1)
-    shortest, j = flipped.min(1)
+    shortest, j = dist.flip(1).min(1)  # the last of equally near points, like the criterion's "<=" scan
     nearest = k.gather(1, (DEVIATION_WINDOW - j).unsqueeze(1)).squeeze(1)
     advanced = world.route_cum[route_id, nearest] - world.route_cum[route_id, dev_idx]
     out_m = torch.where(shortest >= safe_m, out_m + advanced, out_m)
-    too_far = shortest >= max_m
+    deviated = shortest >= max_m
     if max_fraction > 0:
-        too_far = too_far | (out_m > max_fraction * world.route_len[route_id])
-    return too_far, nearest, out_m, shortest
+        deviated = deviated | (out_m > max_fraction * world.route_len[route_id])
+    return deviated, nearest, out_m
 
 
 def route_completion(world: World, route_id: Tensor, idx: Tensor) -> Tensor:
