@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from carl import checkpoint as ckpt_lib
-from carl.config import ConfigError, TrainConfig, check_device, from_dict, schema_keys
+from carl.config import ConfigError, TrainConfig, check_device, from_dict, schema_keys, use_bf16
 from carl.evaluate_loop import PolicyFactory, evaluate, expert_factory, random_policy, write_result
 from carl.logging import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
 from carl.parallel import DistContext, DistributedError, init_distributed, make_sync
@@ -263,7 +263,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         except ValueError as exc:
             raise ConfigError(f"rank {ctx.rank}: {exc}") from None
     timer = PhaseTimer(cuda_sync=device.type == "cuda")
-    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=cfg.parallel.bf16, sync=sync,
+    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=use_bf16(cfg, device.type == "cuda"), sync=sync,
                          ctx=ctx if ctx.distributed else None)
     batch = cfg.batch_size * ctx.world_size  # samples per update, all ranks together
     num_updates = max(1, cfg.ppo.total_timesteps // batch)

@@ -370,14 +370,16 @@ def _densify(idx: _GraphIndex, name: str, segments: Sequence[Segment], spacing: 
 
 # ====================================================================== random routes
 def random_routes(graph: LaneGraph, n: int, length_range: tuple[float, float], seed: int,
-                  allow_lane_changes: bool = False) -> list[Route]:
+                  allow_lane_changes: bool = False, turn_bias: float = 0.0) -> list[Route]:
     """``n`` random routes with lengths in ``length_range`` (metres), deterministic per ``seed``.
 
     Each route starts on a non-junction lane (chosen with probability proportional to its length, i.e. a uniform
     point of the road) at a uniform offset and follows uniformly chosen successors until a length drawn uniformly
     from ``length_range`` is reached; walks that hit a dead end are discarded and redrawn. With
     ``allow_lane_changes`` a walk on a non-junction lane with a same-direction neighbour changes to it with
-    probability 1/2 (once per lane, ``LANE_CHANGE_LENGTH`` transition).
+    probability 1/2 (once per lane, ``LANE_CHANGE_LENGTH`` transition). ``turn_bias`` > 0 makes successors that
+    turn (heading change over :data:`TURN_ANGLE` across the successor lane) ``1 + turn_bias`` times as likely as
+    straight ones: Leaderboard routes turn at most junctions they cross.
     """
     lo, hi = float(length_range[0]), float(length_range[1])
     if not 0 < lo <= hi:
@@ -392,6 +394,10 @@ def random_routes(graph: LaneGraph, n: int, length_range: tuple[float, float], s
     cdf = np.cumsum(lane_len[starts])
     cdf /= cdf[-1]
     succ = [graph.successors(i).tolist() for i in range(graph.num_lanes)]
+    turning = _turning_lanes(graph)
+    # (no bias: None, and the walk draws exactly as it always has, so existing route banks stay the same)
+    succ_p = [None if not x or turn_bias == 0 else np.array([1.0 + turn_bias * turning[j] for j in x]) / sum(
+        1.0 + turn_bias * turning[j] for j in x) for x in succ]
     neighbours = [[int(j) for j in (graph.left[i], graph.right[i]) if j >= 0 and not graph.is_junction[j]]
                   if allow_lane_changes and not graph.is_junction[i] else [] for i in range(graph.num_lanes)]
     routes: list[Route] = []
@@ -409,7 +415,7 @@ def random_routes(graph: LaneGraph, n: int, length_range: tuple[float, float], s
         target = rng.uniform(lo, hi)
         lane = int(starts[min(int(np.searchsorted(cdf, rng.random())), len(starts) - 1)])
         s = rng.uniform(0.0, float(lane_len[lane]))
-        segs = _random_walk(idx, rng, lane, s, target, succ, neighbours)
+        segs = _random_walk(idx, rng, lane, s, target, succ, succ_p, neighbours)
         if segs is None:
             continue
         route = _densify(idx, f"{graph.name}_rand{seed}_{len(routes)}", segs)
@@ -418,8 +424,23 @@ def random_routes(graph: LaneGraph, n: int, length_range: tuple[float, float], s
     return routes
 
 
+TURN_ANGLE = math.radians(30.0)
+
+
+def _turning_lanes(graph: LaneGraph) -> np.ndarray:
+    """[L] bool: the lane's heading changes by more than :data:`TURN_ANGLE` from its start to its end."""
+    first = graph.points[graph.offsets[:-1]]
+    second = graph.points[graph.offsets[:-1] + 1]
+    last = graph.points[graph.offsets[1:] - 1]
+    before = graph.points[graph.offsets[1:] - 2]
+    a = np.arctan2(*(second - first).T[::-1])
+    b = np.arctan2(*(last - before).T[::-1])
+    return np.abs((b - a + np.pi) % (2 * np.pi) - np.pi) > TURN_ANGLE
+
+
 def _random_walk(idx: _GraphIndex, rng: np.random.Generator, lane: int, s: float, target: float,
-                 succ: list[list[int]], neighbours: list[list[int]]) -> list[Segment] | None:
+                 succ: list[list[int]], succ_p: list[np.ndarray | None],
+                 neighbours: list[list[int]]) -> list[Segment] | None:
     """Segments of one random walk of ``target`` metres from (lane, s), or None at a dead end."""
     segs: list[Segment] = []
     acc = 0.0
@@ -448,7 +469,8 @@ def _random_walk(idx: _GraphIndex, rng: np.random.Generator, lane: int, s: float
         options = succ[lane]
         if not options:
             return None
-        lane, s, changed = int(options[int(rng.integers(len(options)))]), 0.0, False
+        pick = rng.integers(len(options)) if succ_p[lane] is None else rng.choice(len(options), p=succ_p[lane])
+        lane, s, changed = int(options[int(pick)]), 0.0, False
     return None
 
 

@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carl.config import ConfigError, TrainConfig  # noqa: E402
+from carl.config import ConfigError, TrainConfig, check_device, use_bf16  # noqa: E402
 from carl.logging import PhaseTimer  # noqa: E402
 from carl.policy import CarlPolicy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
@@ -35,7 +35,13 @@ PRESETS: dict[str, list[str]] = {
         "+experiment=quick", "env.options.bev_size=256", "env.options.bev_ppm=2.0", "env.num_envs=4",
         "ppo.num_steps=32", "ppo.minibatch_size=64", "ppo.update_epochs=1",
     ],
+    # the laptop recipe for the benchmark towns (multi-map world of Town01-06)
+    "towns": ["+experiment=towns"],
+    # CaRL's real shape for one GPU: 10x256x256, 1024 envs x 64 steps = 65,536 samples per update, minibatch 16,384,
+    # 3 epochs, Town01-07 + Town10HD (GPU only: one update takes minutes on a CPU)
+    "carl_sim": ["+experiment=carl_sim", "env.num_envs=1024"],
 }
+GPU_ONLY = ("carl_sim",)
 
 
 def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
@@ -54,7 +60,9 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         env_name = "fake"
     policy = CarlPolicy(env.observation_spec).to(dev)
     timer = PhaseTimer(cuda_sync=dev.type == "cuda")
-    trainer = PPOTrainer(policy, env, cfg.ppo, timer)
+    check_device(cfg, torch.cuda.is_available())
+    bf16 = use_bf16(cfg, dev.type == "cuda")
+    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=bf16)
     trainer.reset(seed=cfg.seed)
     trainer.collect()
     trainer.update()
@@ -80,6 +88,7 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         "inference_s": round(phases["inference"] / updates, 3),
         "update_s": round(phases["update"] / updates, 3),
         "threads": torch.get_num_threads(),
+        "bf16": bf16,
     }
 
 
@@ -91,7 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
-    for name in args.preset or list(PRESETS):
+    default = [p for p in PRESETS if args.device.startswith("cuda") or p not in GPU_ONLY]
+    for name in args.preset or default:
         print(json.dumps(bench(name, PRESETS[name], args.device, args.updates)), flush=True)
 
 

@@ -60,9 +60,14 @@ def test_from_dict_nested_unknown_key() -> None:
         from_dict(data)
 
 
-def test_bf16_refused_on_cpu() -> None:
+def test_bf16_refused_on_cpu_without_it() -> None:
     from carl.config import check_device
 
     cfg = load_config(["parallel.device=cpu", "parallel.bf16=true"])
-    with pytest.raises(ConfigError, match="parallel.bf16=true needs CUDA"):
-        check_device(cfg, cuda_available=False)
+    with pytest.raises(ConfigError, match=r"parallel.bf16=true: this CPU has no native bfloat16.*parallel.bf16=false"):
+        check_device(cfg, cuda_available=False, cpu_bf16=False)
+    check_device(cfg, cuda_available=False, cpu_bf16=True)  # a CPU with AVX-512 BF16 / AMX runs it
+    auto = load_config(["parallel.device=cpu", "parallel.bf16=auto"])
+    check_device(auto, cuda_available=False, cpu_bf16=False)  # auto never fails: it falls back to fp32
+    with pytest.raises(ConfigError, match="parallel.bf16='yes' must be true, false or auto"):
+        load_config(["parallel.bf16=yes"])

@@ -48,7 +48,7 @@ class PPOTrainer:
         self.device = env.device
         self.timer = timer or PhaseTimer()
         self.autocast = (
-            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.storage = RolloutStorage(cfg.num_steps, env.num_envs, env.observation_spec, env.action_spec.shape[0], self.device)

@@ -364,7 +364,7 @@ class CarlaWorker(SimEnv):
         from envs.sim.agents import lane_pose
         from envs.sim.world import sample_spawn
 
-        lane, s = sample_spawn(self.world, (n,), self.gen)
+        lane, s = sample_spawn(self.world, (n,), self.gen, torch.zeros(n, dtype=torch.long, device=self.world.device))
         xy, yaw = lane_pose(self.world, lane, s)
         return [self._transform(p, float(a)) for p, a in zip(xy.cpu().numpy(), yaw.cpu().numpy())
                 if np.linalg.norm(p - ego) > 15.0]

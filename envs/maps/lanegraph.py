@@ -258,6 +258,75 @@ class LaneGraph:
         lo, hi = p.min(0) - margin, p.max(0) + margin
         return float(lo[0]), float(lo[1]), float(hi[0]), float(hi[1])
 
+    def num_junctions(self) -> int:
+        """Junction ids run from 0 to this number - 1 (lanes' ``junction`` and light groups' ``light_junction``)."""
+        return int(max(self.junction.max(initial=-1), self.light_junction.max(initial=-1)) + 1)
+
+    # ------------------------------------------------------------------ combining maps
+    def translated(self, shift: tuple[float, float]) -> "LaneGraph":
+        """This map moved by ``shift`` metres (every drawn or driven coordinate; links are unchanged)."""
+        d = np.asarray(shift, np.float64)
+        move = lambda a: (a.astype(np.float64) + d).astype(np.float32)  # noqa: E731
+        signs = self.speed_signs.copy()
+        signs[:, :2] = move(signs[:, :2])
+        return replace(self, points=move(self.points), shoulder_points=move(self.shoulder_points),
+                       crosswalks=move(self.crosswalks), speed_signs=signs)
+
+    def compact_junctions(self) -> "LaneGraph":
+        """This map with junction ids renumbered 0..J-1 in order of first use (OpenDRIVE ids are sparse: Town04's
+        run to 1,593 for 60-odd junctions, and the simulator keeps per-junction state for every id)."""
+        used = np.unique(np.concatenate([self.junction[self.junction >= 0], self.light_junction]))
+        new = np.searchsorted(used, self.junction).astype(np.int32)
+        return replace(self, junction=np.where(self.junction >= 0, new, -1).astype(np.int32),
+                       light_junction=np.searchsorted(used, self.light_junction).astype(np.int32))
+
+    @classmethod
+    def concatenate(cls, name: str, graphs: list["LaneGraph"], meta: dict | None = None) -> "LaneGraph":
+        """One graph holding every map of ``graphs`` side by side (place them apart first: :meth:`translated`).
+
+        Lanes, points, stop lines, light groups and junctions of map ``k`` follow those of maps ``0..k-1`` (junction
+        ids of map ``k`` are shifted by the :meth:`num_junctions` of the maps before it); every index is shifted
+        accordingly, so routes and lookups work unchanged on the combined graph.
+        """
+        if not graphs:
+            raise MapError(f"map '{name}': no maps to combine")
+        lanes = np.cumsum([0] + [g.num_lanes for g in graphs])
+        pts = np.cumsum([0] + [len(g.points) for g in graphs])
+        edges = np.cumsum([0] + [len(g.succ_index) for g in graphs])
+        groups = np.cumsum([0] + [len(g.light_junction) for g in graphs])
+        juncs = np.cumsum([0] + [g.num_junctions() for g in graphs])
+        sh = np.cumsum([0] + [len(g.shoulder_points) for g in graphs])
+
+        def cat(key: str, shift: np.ndarray | None = None, keep_negative: bool = True) -> np.ndarray:
+            parts = []
+            for k, g in enumerate(graphs):
+                a = getattr(g, key)
+                if shift is not None:
+                    a = np.where(a >= 0, a + shift[k], a) if keep_negative else a + shift[k]
+                parts.append(np.asarray(a))
+            return np.concatenate(parts).astype(getattr(graphs[0], key).dtype)
+
+        return cls(
+            name=name, points=cat("points"),
+            offsets=np.concatenate([[0]] + [g.offsets[1:] + pts[k] for k, g in enumerate(graphs)]).astype(np.int64),
+            width=cat("width"), speed_limit=cat("speed_limit"), is_junction=cat("is_junction"),
+            junction=cat("junction", juncs),
+            succ_offsets=np.concatenate([[0]] + [g.succ_offsets[1:] + edges[k] for k, g in enumerate(graphs)]
+                                        ).astype(np.int64),
+            succ_index=cat("succ_index", lanes), left=cat("left", lanes), right=cat("right", lanes),
+            left_marking=cat("left_marking"), right_marking=cat("right_marking"),
+            stop_lane=cat("stop_lane", lanes), stop_control=cat("stop_control"),
+            stop_light_group=cat("stop_light_group", groups),
+            light_junction=cat("light_junction", juncs), light_phase=cat("light_phase"),
+            light_num_phases=cat("light_num_phases"), crosswalks=cat("crosswalks"),
+            shoulder_points=cat("shoulder_points"),
+            shoulder_offsets=np.concatenate([[0]] + [g.shoulder_offsets[1:] + sh[k] for k, g in enumerate(graphs)]
+                                            ).astype(np.int64),
+            shoulder_width=cat("shoulder_width"), speed_signs=cat("speed_signs"),
+            meta={"maps": [g.name for g in graphs]} if meta is None else dict(meta),
+            point_width=np.concatenate([g.point_widths() for g in graphs]).astype(np.float32),
+        )
+
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> None:
         """Write a compact versioned ``.npz`` atomically."""

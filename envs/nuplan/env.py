@@ -102,41 +102,11 @@ class NuplanState(SimState):
 def merge_graphs(graphs: list[LaneGraph], shifts: np.ndarray, name: str) -> tuple[LaneGraph, np.ndarray, np.ndarray]:
     """Concatenate lane graphs translated by ``shifts`` [S, 2]; returns (graph, lane offset and junction offset of
     every input)."""
-    lane_off, junc_off, group_off = [0], [0], [0]
-    for g in graphs:
-        lane_off.append(lane_off[-1] + g.num_lanes)
-        nj = int(max(g.junction.max(initial=-1), g.light_junction.max(initial=-1)) + 1)
-        junc_off.append(junc_off[-1] + nj)
-        group_off.append(group_off[-1] + len(g.light_junction))
-    cat = lambda xs, dtype=None: np.concatenate(xs).astype(dtype) if dtype else np.concatenate(xs)  # noqa: E731
-    shift_idx = lambda a, k: np.where(a >= 0, a + k, a)  # noqa: E731
-    pts_off = np.cumsum([0] + [len(g.points) for g in graphs])
-    sh_off = np.cumsum([0] + [len(g.shoulder_points) for g in graphs])
-    succ_off = np.cumsum([0] + [len(g.succ_index) for g in graphs])
-    merged = LaneGraph(
-        name=name,
-        points=cat([g.points + s for g, s in zip(graphs, shifts)], np.float32),
-        offsets=cat([[0]] + [g.offsets[1:] + pts_off[k] for k, g in enumerate(graphs)], np.int64),
-        width=cat([g.width for g in graphs]), speed_limit=cat([g.speed_limit for g in graphs]),
-        is_junction=cat([g.is_junction for g in graphs]),
-        junction=cat([shift_idx(g.junction, junc_off[k]) for k, g in enumerate(graphs)], np.int32),
-        succ_offsets=cat([[0]] + [g.succ_offsets[1:] + succ_off[k] for k, g in enumerate(graphs)], np.int64),
-        succ_index=cat([g.succ_index + lane_off[k] for k, g in enumerate(graphs)], np.int32),
-        left=cat([shift_idx(g.left, lane_off[k]) for k, g in enumerate(graphs)], np.int32),
-        right=cat([shift_idx(g.right, lane_off[k]) for k, g in enumerate(graphs)], np.int32),
-        left_marking=cat([g.left_marking for g in graphs]), right_marking=cat([g.right_marking for g in graphs]),
-        stop_lane=cat([g.stop_lane + lane_off[k] for k, g in enumerate(graphs)], np.int32),
-        stop_control=cat([g.stop_control for g in graphs]),
-        stop_light_group=cat([shift_idx(g.stop_light_group, group_off[k]) for k, g in enumerate(graphs)], np.int32),
-        light_junction=cat([g.light_junction + junc_off[k] for k, g in enumerate(graphs)], np.int32),
-        light_phase=cat([g.light_phase for g in graphs]), light_num_phases=cat([g.light_num_phases for g in graphs]),
-        crosswalks=cat([g.crosswalks.reshape(-1, 4, 2) + s for g, s in zip(graphs, shifts)], np.float32),
-        shoulder_points=cat([g.shoulder_points.reshape(-1, 2) + s for g, s in zip(graphs, shifts)], np.float32),
-        shoulder_offsets=cat([[0]] + [g.shoulder_offsets[1:] + sh_off[k] for k, g in enumerate(graphs)], np.int64),
-        shoulder_width=cat([g.shoulder_width for g in graphs]),
-        speed_signs=cat([g.speed_signs.reshape(-1, 3) + np.r_[s, 0.0] for g, s in zip(graphs, shifts)], np.float32),
-        meta={"source": "nuplan", "scenarios": len(graphs)})
-    return merged, np.array(lane_off[:-1]), np.array(junc_off[:-1])
+    merged = LaneGraph.concatenate(name, [g.translated(s) for g, s in zip(graphs, shifts)],
+                                   meta={"source": "nuplan", "scenarios": len(graphs)})
+    lane_off = np.cumsum([0] + [g.num_lanes for g in graphs])[:-1]
+    junc_off = np.cumsum([0] + [g.num_junctions() for g in graphs])[:-1]
+    return merged, lane_off, junc_off
 
 
 def grid_shifts(graphs: list[LaneGraph]) -> np.ndarray:

@@ -105,12 +105,34 @@ def sizes(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) ->
     return table[k]
 
 
-def spawn_vehicles(world: World, num_envs: int, num: int, ego_xy: Tensor, gen: torch.Generator) -> Vehicles:
-    """Random vehicles on the whole map, none within 15 m of the ego or overlapping each other."""
+# Background vehicles the CARLA Leaderboard spawns per town (leaderboard RouteScenario's town amounts)
+LEADERBOARD_VEHICLES = {"Town01": 120, "Town02": 100, "Town03": 120, "Town04": 200, "Town05": 120, "Town06": 150,
+                        "Town07": 110, "Town08": 180, "Town09": 300, "Town10HD": 120}
+
+
+def vehicles_per_map(world: World, num_vehicles: int, density: str) -> Tensor:
+    """[M] vehicle slots in use around the ego on each map.
+
+    ``"fixed"``: ``num_vehicles`` everywhere. ``"leaderboard"``: the town's Leaderboard count spread evenly over its
+    lanes, times the lane length within ``LOCAL_RADIUS`` of the ego (``world.map_local_lane_km``), at most
+    ``num_vehicles`` (the padded slots); maps the Leaderboard does not drive keep ``num_vehicles``.
+    """
+    n = torch.full((world.num_maps,), num_vehicles, dtype=torch.long, device=world.device)
+    if density == "leaderboard":
+        for k, name in enumerate(world.map_names):
+            if name in LEADERBOARD_VEHICLES:
+                local = LEADERBOARD_VEHICLES[name] / world.map_lane_km[k] * world.map_local_lane_km[k]
+                n[k] = local.round().long().clamp(max=num_vehicles)
+    return n
+
+
+def spawn_vehicles(world: World, num_envs: int, num: int, ego_xy: Tensor, map_id: Tensor,
+                   gen: torch.Generator) -> Vehicles:
+    """Random vehicles on each row's whole map, none within 15 m of the ego or overlapping each other."""
     dev = world.device
     from envs.sim.world import sample_spawn  # local import keeps the public surface of world small
 
-    lane, s = sample_spawn(world, (num_envs, num), gen)
+    lane, s = sample_spawn(world, (num_envs, num), gen, map_id)
     xy, yaw = lane_pose(world, lane, s)
     d = (xy.unsqueeze(2) - xy.unsqueeze(1)).norm(dim=-1)
     earlier = torch.ones(num, num, dtype=torch.bool, device=dev).tril(-1)
@@ -191,7 +213,7 @@ def respawn_vehicles(world: World, veh: Vehicles, ego_xy: Tensor, route_id: Tens
     # keep a few slots on other lanes so traffic also comes from the sides: 30 % of the stale slots use the map
     from envs.sim.world import sample_spawn
 
-    lane2, s2 = sample_spawn(world, (B, A), gen)
+    lane2, s2 = sample_spawn(world, (B, A), gen, world.route_map[route_id])
     use_map = torch.rand((B, A), generator=gen, device=dev) < 0.3
     lane = torch.where(use_map, lane2, lane)
     s = torch.where(use_map, s2, s)

@@ -20,12 +20,17 @@ class SimConfig:
 
     # --- map and routes
     map: str = "procedural"  # "procedural", a CARLA town ("Town01"...), or a path to .xodr / lane-graph .npz
+    # several maps in one world (any mix of the names `map` takes), each episode on one of them drawn with
+    # `map_weights` (default: equal); replaces `map` when given
+    maps: tuple[str, ...] = ()
+    map_weights: tuple[float, ...] = ()
     procedural: ProceduralConfig = field(default_factory=ProceduralConfig)
     town_seeds: tuple[int, ...] = (0, 1, 2, 3)  # procedural towns used for training
     eval_town_seeds: tuple[int, ...] = (1000, 1001)  # held-out towns for route_split="eval"
     route_split: str = "train"  # "train" (random routes, shuffled) or "eval" (fixed held-out routes)
     route_file: str | None = None  # Leaderboard route XML: its routes replace random routes
     route_length: tuple[float, float] = (150.0, 400.0)
+    route_turn_bias: float = 0.0  # random routes take turning successors (1 + bias) times as often as straight ones
     num_routes: int = 512  # size of the random route bank
     first_route: int = 0  # route_file / eval split: row i starts with route first_route + i (a slice of the file)
     route_stride: int = 0  # ... and then drives + stride, + 2 stride, ...; 0 = num_envs (CARLA workers: the worker count)
@@ -36,6 +41,9 @@ class SimConfig:
     num_vehicles: int = 12
     num_pedestrians: int = 4
     num_statics: int = 2
+    # "fixed": num_vehicles around every ego | "leaderboard": each CARLA town's background vehicle count of the
+    # Leaderboard (LEADERBOARD_VEHICLES) per lane km, times the lane km around the ego, at most num_vehicles
+    traffic_density: str = "fixed"
     # --- observation
     bev: bool = True
     bev_size: int = 128
@@ -72,6 +80,15 @@ class SimConfig:
                 raise ConfigError(f"env.{key}={getattr(self, key)!r}: {fix}")
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
+        need(not self.map_weights or len(self.map_weights) == len(self.maps), "map_weights",
+             f"give one weight per map of env.maps ({len(self.maps)} maps: {list(self.maps)}), or none for equal "
+             "weights")
+        need(all(w >= 0 for w in self.map_weights) and (not self.map_weights or sum(self.map_weights) > 0),
+             "map_weights", "weights must be >= 0 with a positive sum")
+        need(len(set(self.maps)) == len(self.maps), "maps", "name each map once (weight it with env.map_weights)")
+        need(self.route_turn_bias >= 0, "route_turn_bias", "must be >= 0 (0 = every successor equally likely)")
+        need(self.traffic_density in ("fixed", "leaderboard"), "traffic_density",
+             "use 'fixed' (num_vehicles everywhere) or 'leaderboard' (CARLA Leaderboard's per-town density)")
         need(self.rules in RULES, "rules",
              "use 'carl' (CaRL's training terminations) or 'leaderboard' (Leaderboard 2.0 scoring)")
         need(0 < self.route_deviation_safe <= self.route_deviation, "route_deviation_safe",

@@ -10,13 +10,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+import numpy as np
 import torch
 from torch import Tensor
 
 from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, BatchedEnv, StepResult, TensorSpec
 from envs.maps.lanegraph import LaneGraph, MapError
 from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
-from envs.routes import parse_leaderboard_xml, plan_route, random_routes
+from envs.maps.atlas import build_atlas
+from envs.maps.raster import load_or_compile_raster
+from envs.routes import Route, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim import agents, criteria, infractions
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
@@ -24,7 +27,7 @@ from envs.sim.criteria import CriteriaState
 from envs.sim.geometry import wrap_angle
 from envs.sim.infractions import HARD, INFRACTIONS, TERMINAL_PENALTY
 from envs.sim.observation import CHANNELS, gear, measurements, render_bev, upcoming_stop_lines, value_measurements
-from envs.sim.world import World, build_world, light_state
+from envs.sim.world import World, build_world, light_state, map_cache_dir
 
 HISTORY = 15  # comfort history length (samples)
 RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
@@ -78,29 +81,60 @@ _WORLDS: dict[tuple, World] = {}
 
 
 def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> World:
-    """The map and route bank for ``cfg`` (procedural towns, a CARLA town, or a map file) on ``device``.
+    """The maps and route bank for ``cfg`` (procedural towns, CARLA towns, map files, or a mix of them) on
+    ``device``.
 
     Worlds are immutable, so they are shared between environment objects of the same process.
     """
-    key = (cfg.map, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds, cfg.route_split, cfg.route_file,
-           cfg.route_length, cfg.num_routes, cfg.map_ppm, str(device), route_seed)
+    key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
+           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.num_routes, cfg.map_ppm,
+           cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
     if key not in _WORLDS:
         _WORLDS[key] = _build_world(cfg, device, route_seed)
     return _WORLDS[key]
 
 
-def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
-    graph = load_graph(cfg)
+def _map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int) -> list[Route]:
+    """The routes of one map: those of ``cfg.route_file`` for this town, else a seeded bank of random routes."""
     if cfg.route_file:
-        town = Path(cfg.map).stem
+        town = Path(name).stem
         routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
                   if t == town]
         if not routes:
-            raise MapError(f"route file {cfg.route_file} has no routes for map '{town}'; set env.map to a town it uses")
-    else:
-        seed = 7919 if cfg.route_split == "eval" else route_seed
-        routes = random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed)
-    return build_world(graph, routes, cfg, device)
+            raise MapError(f"route file {cfg.route_file} has no routes for map '{town}'; set env.map (or env.maps) "
+                           "to towns it uses")
+        return routes
+    seed = 7919 if cfg.route_split == "eval" else route_seed
+    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias)
+
+
+def bev_reach_m(cfg: SimConfig) -> float:
+    """Farthest distance from the ego that its BEV shows (the corner of the image farthest from the ego)."""
+    row = cfg.bev_size - 1 - cfg.bev_ego_from_bottom
+    return math.hypot(cfg.bev_size // 2 + 1, max(row, cfg.bev_size - 1 - row) + 1) / cfg.bev_ppm
+
+
+def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
+    names = list(cfg.maps) or [cfg.map]
+    graphs, routes_by_map = [], []
+    for name in names:
+        graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
+        graphs.append(graph)
+        routes_by_map.append(_map_routes(graph, name, cfg, route_seed))
+    if len(names) == 1:
+        return build_world(graphs[0], routes_by_map[0], cfg, device)
+    rasters = [load_or_compile_raster(g, cfg.map_ppm, map_cache_dir(cfg)) for g in graphs]
+    # no BEV shows another map (traffic, pedestrians and spawns are drawn on the row's own map anyway)
+    atlas = build_atlas(graphs, rasters, gap_m=bev_reach_m(cfg) + 10.0)
+    moved = [[Route(r.name, (r.points + atlas.shifts[k]).astype(np.float32), r.lanes + atlas.lane_offsets[k])
+              for r in rs] for k, rs in enumerate(routes_by_map)]
+    # interleaved (route j of every map, then route j + 1, ...): the first N routes of a fixed assignment (the eval
+    # split) cover every map
+    order = sorted(((j, k) for k, rs in enumerate(moved) for j in range(len(rs))))
+    routes = [moved[k][j] for j, k in order]
+    return build_world(atlas.graph, routes, cfg, device, raster=atlas.raster, map_names=names,
+                       lane_offsets=atlas.lane_offsets, route_map=np.array([k for _, k in order]),
+                       map_weights=cfg.map_weights)
 
 
 def load_graph(cfg: SimConfig) -> LaneGraph:
@@ -135,6 +169,7 @@ class SimEnv(BatchedEnv):
         self.num_vehicles = max(1, cfg.num_vehicles)
         self.num_pedestrians = max(1, cfg.num_pedestrians)
         self.num_statics = max(1, cfg.num_statics)
+        self.map_vehicles = agents.vehicles_per_map(self.world, cfg.num_vehicles, cfg.traffic_density) * cfg.traffic
         self.ego_half = torch.tensor(cfg.ego_half_extent, device=self.device).expand(num_envs, 2)
         self.route_stride = cfg.route_stride or num_envs  # rows advance by this many routes
         self.next_route = self._first_routes()
@@ -153,7 +188,8 @@ class SimEnv(BatchedEnv):
     def _pick_routes(self, rows: Tensor) -> Tensor:
         if self.cfg.route_split == "eval" or self.cfg.route_file:
             return self.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
-        return torch.randint(self.world.num_routes, (len(rows),), generator=self.gen, device=self.device)
+        u = torch.rand(len(rows), generator=self.gen, device=self.device)  # each map by its weight
+        return torch.searchsorted(self.world.route_cdf, u, right=True).clamp(max=self.world.num_routes - 1)
 
     def _initial_state(self, rows: Tensor) -> SimState:
         """Fresh episodes for environments ``rows`` (a state tree of ``len(rows)`` rows)."""
@@ -164,9 +200,9 @@ class SimEnv(BatchedEnv):
         ego_xy, ego_yaw = p0, torch.atan2(d[:, 1], d[:, 0])
         zeros = torch.zeros(B, device=dev)
         zi = torch.zeros(B, dtype=torch.long, device=dev)
-        veh = agents.spawn_vehicles(w, B, self.num_vehicles, ego_xy, g)
+        veh = agents.spawn_vehicles(w, B, self.num_vehicles, ego_xy, w.route_map[route_id], g)
         agents.respawn_vehicles(w, veh, ego_xy, route_id, zi, g, far=0.0, ahead=(15, 150), min_ego_dist=12.0)
-        veh.valid &= cfg.traffic & (torch.arange(self.num_vehicles, device=dev) < cfg.num_vehicles)
+        veh.valid &= self._vehicle_slots(route_id)
         near_idx = (torch.randint(20, 150, (B, self.num_pedestrians), generator=g, device=dev)
                     ).clamp(max=(w.route_n[route_id] - 1).unsqueeze(1))
         ped = agents.spawn_pedestrians(w, B, self.num_pedestrians,
@@ -327,7 +363,12 @@ class SimEnv(BatchedEnv):
         self._steps += 1
         if self._steps % RESPAWN_EVERY == 0:
             agents.respawn_vehicles(self.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
-            s.veh.valid &= self.cfg.traffic & (torch.arange(self.num_vehicles, device=self.device) < self.cfg.num_vehicles)
+            s.veh.valid &= self._vehicle_slots(s.route_id)
+
+    def _vehicle_slots(self, route_id: Tensor) -> Tensor:
+        """[B, A] bool: the vehicle slots in use on each row's map (its traffic density)."""
+        n = self.map_vehicles[self.world.route_map[route_id]]
+        return torch.arange(self.num_vehicles, device=self.device) < n.unsqueeze(1)
 
     def _move_ego(self, s: SimState, action: Tensor) -> None:
         """Kinematic bicycle (centre of gravity at mid-wheelbase); a1 > 0 throttle, a1 < 0 brake; no reverse."""

@@ -65,18 +65,60 @@ class World:
     route_ev_idx: Tensor  # [NR, E] route point index of each stop line passed, R (past the end) as padding
     route_ev_stop: Tensor  # [NR, E] stop-line index, -1 padding
     route_names: list[str]
+    # maps (a multi-map world holds several maps side by side: envs/maps/atlas.py)
+    map_names: list[str]
+    route_map: Tensor  # [NR] map of each route
+    route_cdf: Tensor  # [NR] cumulative probability of drawing each route (map weight / routes of that map)
+    map_lane_km: Tensor  # [M] lane length of each map
+    map_local_lane_km: Tensor  # [M] mean lane length within LOCAL_RADIUS of a lane point
 
     @property
     def num_routes(self) -> int:
         return self.route_pts.shape[0]
 
+    @property
+    def num_maps(self) -> int:
+        return len(self.map_names)
 
-def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: torch.device) -> World:
-    """Compile a lane graph and routes into device tensors."""
+
+LOCAL_RADIUS = 120.0  # metres around the ego that background traffic lives in (agents.respawn_vehicles' ``far``)
+
+
+def _local_lane_km(points: np.ndarray, spacing: float, seed: int = 0, samples: int = 64) -> float:
+    """Mean lane length (km) within :data:`LOCAL_RADIUS` of a random lane point: what the ego's surroundings hold."""
+    rng = np.random.default_rng(seed)
+    probe = points[rng.integers(len(points), size=min(samples, len(points)))]
+    near = np.zeros(len(probe))
+    for c in range(0, len(points), 65536):
+        d = np.linalg.norm(points[None, c:c + 65536] - probe[:, None], axis=-1)
+        near += (d < LOCAL_RADIUS).sum(1)
+    return float(near.mean() * spacing / 1000.0)
+
+
+def map_cache_dir(cfg: SimConfig) -> Path:
+    """Where compiled map rasters are cached (``env.cache_dir``, default ``~/.cache/carl/maps``)."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "carl" / "maps"
+
+
+def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: torch.device,
+                raster: MapRaster | None = None, map_names: list[str] | None = None,
+                lane_offsets: np.ndarray | None = None, route_map: np.ndarray | None = None,
+                map_weights: tuple[float, ...] = ()) -> World:
+    """Compile a lane graph and routes into device tensors.
+
+    A multi-map world (an :class:`~envs.maps.atlas.Atlas`) passes its raster, the maps' names, the lane range of
+    each map (``lane_offsets`` [M + 1]), the map of every route and the maps' sampling weights (default: equal).
+    """
     if not routes:
         raise MapError(f"map '{graph.name}': no routes to drive; check env.route_length and the route file")
-    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "carl" / "maps"
-    raster = load_or_compile_raster(graph, cfg.map_ppm, cache).to(device)
+    if raster is None:
+        raster = load_or_compile_raster(graph, cfg.map_ppm, map_cache_dir(cfg))
+    raster = raster.to(device)
+    map_names = map_names or [graph.name]
+    M = len(map_names)
+    lane_offsets = np.asarray([0, graph.num_lanes] if lane_offsets is None else lane_offsets)
+    route_map = np.zeros(len(routes), np.int64) if route_map is None else np.asarray(route_map, np.int64)
+    weights = np.asarray(map_weights or [1.0] * M, np.float64)
     L = graph.num_lanes
     lens = graph.lane_lengths().astype(np.float64)
     n_pts = np.maximum(2, np.ceil(lens / 1.0).astype(np.int64) + 1)
@@ -95,12 +137,26 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     lane_stop = np.full(L, -1, np.int64)
     lane_stop[graph.stop_lane] = np.arange(len(graph.stop_lane))
     graph = graph.with_control_rows()  # no lights/stop lines (roundabouts): an inert row keeps padded indices valid
-    spawnable = (~graph.is_junction) & (lens > 10.0)
-    if not spawnable.any():
-        spawnable = lens > 0
-    spawn_lanes = np.nonzero(spawnable)[0]
-    spawn_cdf = np.cumsum(lens[spawn_lanes])
-    spawn_cdf /= spawn_cdf[-1]
+    # spawn places per map: map k's cumulative length weights run over (k, k + 1], so one searchsorted of
+    # ``map + uniform`` draws a place on the row's own map
+    spawn_parts, cdf_parts, lane_km, local_km = [], [], [], []
+    for k in range(M):
+        lo, hi = int(lane_offsets[k]), int(lane_offsets[k + 1])
+        own = np.zeros(L, bool)
+        own[lo:hi] = True
+        spawnable = own & (~graph.is_junction) & (lens > 10.0)
+        if not spawnable.any():
+            spawnable = own & (lens > 0)
+        lanes_k = np.nonzero(spawnable)[0]
+        cdf = np.cumsum(lens[lanes_k])
+        spawn_parts.append(lanes_k)
+        cdf_parts.append(k + cdf / cdf[-1])
+        pts_k = graph.points[graph.offsets[lo]:graph.offsets[hi]]
+        lane_km.append(float(lens[lo:hi].sum()) / 1000.0)
+        local_km.append(_local_lane_km(pts_k, float(lens[lo:hi].sum()) / max(len(pts_k), 1)))
+    spawn_lanes, spawn_cdf = np.concatenate(spawn_parts), np.concatenate(cdf_parts)
+    per_route = weights[route_map] / np.bincount(route_map, minlength=M)[route_map]
+    route_cdf = np.cumsum(per_route) / per_route.sum()
     # stop lines sit at lane ends
     end_pts = np.stack([graph.lane_points(int(l))[-1] for l in graph.stop_lane]) if len(graph.stop_lane) else \
         np.zeros((0, 2), np.float32)
@@ -176,6 +232,8 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
         route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
         route_ev_idx=t(ev_idx), route_ev_stop=t(ev_stop), route_names=[r.name for r in routes],
+        map_names=list(map_names), route_map=t(route_map), route_cdf=t(route_cdf, torch.float32),
+        map_lane_km=t(lane_km, torch.float32), map_local_lane_km=t(local_km, torch.float32),
     )
 
 
@@ -224,10 +282,11 @@ def lane_lookup(world: World, xy: Tensor) -> tuple[Tensor, Tensor, Tensor, Tenso
     return world.seg_lane[seg], lateral, yaw, found, world.seg_width[seg]
 
 
-def sample_spawn(world: World, shape: tuple[int, ...], gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random (lane, s) positions on spawnable lanes, uniform over length."""
-    u = torch.rand(shape, generator=gen, device=world.device)
-    k = torch.searchsorted(world.spawn_cdf, u.reshape(-1)).reshape(shape).clamp(max=len(world.spawn_lanes) - 1)
+def sample_spawn(world: World, shape: tuple[int, ...], gen: torch.Generator, map_id: Tensor) -> tuple[Tensor, Tensor]:
+    """Random (lane, s) positions on spawnable lanes of each row's map (``map_id`` [B], rows first in ``shape``),
+    uniform over length."""
+    u = torch.rand(shape, generator=gen, device=world.device) + map_id.view(-1, *([1] * (len(shape) - 1)))
+    k = torch.searchsorted(world.spawn_cdf, u.reshape(-1), right=True).reshape(shape).clamp(max=len(world.spawn_lanes) - 1)
     lane = world.spawn_lanes[k]
     s = torch.rand(shape, generator=gen, device=world.device) * world.lane_len[lane]
     return lane, s
