@@ -119,6 +119,9 @@ class LoggingConfig:
     eval_episodes: int = 8
     eval_max_steps: int = 3000  # cap per evaluation episode (control steps)
     final_baselines: bool = True  # evaluate random + expert policies on the same routes at the end
+    # a carl-eval benchmark (conf/benchmark/<name>.yaml, e.g. towns or longest6) run on best.pt at the end: the
+    # benchmark's own conditions beside the training distribution's; null = none
+    final_benchmark: str | None = None
     video_every: int = 0  # BEV video of env 0 every N updates; 0 = off
     video_max_frames: int = 400
 
@@ -301,6 +304,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for k in ("checkpoint_every", "eval_every", "video_every"):
         v = getattr(lg, k)
         _require(v >= 0, f"logging.{k}={v} must be >= 0 (0 = off)")
+    if lg.final_benchmark is not None:
+        from pathlib import Path
+
+        benches = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "benchmark").glob("*.yaml"))
+        _require(lg.final_benchmark in benches, f"logging.final_benchmark={lg.final_benchmark!r} is not a benchmark; "
+                 f"use one of {', '.join(benches)} (conf/benchmark), or null")
     _require(lg.eval_episodes >= 0, f"logging.eval_episodes={lg.eval_episodes} must be >= 0 (0 = no evaluation)")
     _require(lg.eval_max_steps >= 1, f"logging.eval_max_steps={lg.eval_max_steps} must be >= 1")
     _require(lg.video_max_frames >= 1, f"logging.video_max_frames={lg.video_max_frames} must be >= 1")

@@ -220,6 +220,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def run_benchmark(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
+    """``carl-eval policy=<run>/best.pt benchmark=<logging.final_benchmark>`` into ``<run>/eval/<benchmark>``."""
+    from carl import evaluate as carl_eval
+
+    name = cfg.logging.final_benchmark
+    print(f"benchmark {name} (its own conditions) on {run_dir / 'best.pt'}:", flush=True)
+    eval_cfg = carl_eval.compose("eval", [f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
+                                          f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
+    return carl_eval.run(eval_cfg)
+
+
 def train(cfg: TrainConfig) -> int:
     """One process, or one rank of a torchrun launch (``WORLD_SIZE`` > 1): join the process group, then train."""
     check_device(cfg, torch.cuda.is_available())
@@ -441,6 +452,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
                 if expert is None and ":" not in cfg.env.name:
                     print(f"(no expert for env {cfg.env.name!r}: envs.{cfg.env.name}.expert.make_expert not found)")
             print(f"final evaluation on {cfg.logging.eval_episodes} held-out routes:\n{format_eval_table(results)}")
+        if cfg.logging.final_benchmark:
+            run_benchmark(cfg, run_dir, device)
     tb.close()
     env.close()
     # every rank leaves together: a rank tearing down its process group while rank 0 still evaluates, or while

@@ -19,7 +19,7 @@ from envs.maps.lanegraph import LaneGraph, MapError
 from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
 from envs.maps.atlas import build_atlas
 from envs.maps.raster import load_or_compile_raster
-from envs.routes import Route, parse_leaderboard_xml, plan_route, random_routes
+from envs.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim import agents, criteria, infractions
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
@@ -117,10 +117,15 @@ def bev_reach_m(cfg: SimConfig) -> float:
 def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
     names = list(cfg.maps) or [cfg.map]
     graphs, routes_by_map = [], []
-    for name in names:
-        graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
+    for k, name in enumerate(names):
+        try:
+            graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
+            routes_by_map.append(_map_routes(graph, name, cfg, route_seed))
+        except (MapError, RouteError) as exc:
+            if not cfg.maps:
+                raise
+            raise type(exc)(f"env.maps[{k}]={name!r}: {exc}") from None
         graphs.append(graph)
-        routes_by_map.append(_map_routes(graph, name, cfg, route_seed))
     if len(names) == 1:
         return build_world(graphs[0], routes_by_map[0], cfg, device)
     rasters = [load_or_compile_raster(g, cfg.map_ppm, map_cache_dir(cfg)) for g in graphs]

@@ -68,6 +68,7 @@ class World:
     # maps (a multi-map world holds several maps side by side: envs/maps/atlas.py)
     map_names: list[str]
     route_map: Tensor  # [NR] map of each route
+    lane_map: Tensor  # [L] map of each lane
     route_cdf: Tensor  # [NR] cumulative probability of drawing each route (map weight / routes of that map)
     map_lane_km: Tensor  # [M] lane length of each map
     map_local_lane_km: Tensor  # [M] mean lane length within LOCAL_RADIUS of a lane point
@@ -232,7 +233,8 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
         route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
         route_ev_idx=t(ev_idx), route_ev_stop=t(ev_stop), route_names=[r.name for r in routes],
-        map_names=list(map_names), route_map=t(route_map), route_cdf=t(route_cdf, torch.float32),
+        map_names=list(map_names), route_map=t(route_map),
+        lane_map=t(np.repeat(np.arange(M), np.diff(lane_offsets)), torch.long), route_cdf=t(route_cdf, torch.float32),
         map_lane_km=t(lane_km, torch.float32), map_local_lane_km=t(local_km, torch.float32),
     )
 
