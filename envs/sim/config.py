@@ -31,6 +31,7 @@ class SimConfig:
     route_file: str | None = None  # Leaderboard route XML: its routes replace random routes
     route_length: tuple[float, float] = (150.0, 400.0)
     route_turn_bias: float = 0.0  # random routes take turning successors (1 + bias) times as often as straight ones
+    route_junction_start: float = 0.0  # share of random routes that start 5-50 m before a junction (Leaderboard-like)
     num_routes: int = 512  # size of the random route bank
     first_route: int = 0  # route_file / eval split: row i starts with route first_route + i (a slice of the file)
     route_stride: int = 0  # ... and then drives + stride, + 2 stride, ...; 0 = num_envs (CARLA workers: the worker count)
@@ -86,6 +87,7 @@ class SimConfig:
         need(all(w >= 0 for w in self.map_weights) and (not self.map_weights or sum(self.map_weights) > 0),
              "map_weights", "weights must be >= 0 with a positive sum")
         need(len(set(self.maps)) == len(self.maps), "maps", "name each map once (weight it with env.map_weights)")
+        need(0 <= self.route_junction_start <= 1, "route_junction_start", "must be a share in [0, 1]")
         need(self.route_turn_bias >= 0, "route_turn_bias", "must be >= 0 (0 = every successor equally likely)")
         need(self.traffic_density in ("fixed", "leaderboard"), "traffic_density",
              "use 'fixed' (num_vehicles everywhere) or 'leaderboard' (CARLA Leaderboard's per-town density)")

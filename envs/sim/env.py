@@ -87,8 +87,8 @@ def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> Wor
     Worlds are immutable, so they are shared between environment objects of the same process.
     """
     key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
-           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.num_routes, cfg.map_ppm,
-           cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
+           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
+           cfg.num_routes, cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
     if key not in _WORLDS:
         _WORLDS[key] = _build_world(cfg, device, route_seed)
     return _WORLDS[key]
@@ -105,7 +105,8 @@ def _map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int) ->
                            "to towns it uses")
         return routes
     seed = 7919 if cfg.route_split == "eval" else route_seed
-    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias)
+    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
+                         junction_start=cfg.route_junction_start)
 
 
 def bev_reach_m(cfg: SimConfig) -> float:
