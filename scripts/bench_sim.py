@@ -6,6 +6,11 @@ Targets (issue 2): 2-core CPU >= 50,000 steps/s at batch 1024 without BEV and >=
 a 10x128x128 BEV; H200 >= 1,000,000 without BEV and >= 100,000 with 10x256x256.
 
     python scripts/bench_sim.py [--device cpu|cuda] [--batches 1 64 256 1024] [--seconds 5] [--threads 2]
+    python scripts/bench_sim.py --worlds Town01 Town04 all --batches 256   # multi-map world beside single towns
+
+``--worlds``: ``procedural`` (the default: two procedural towns), a CARLA town or map file (one map), or ``all``
+(Town01-07, Town10HD and the procedural towns in one multi-map world). Target (issue 12): the ``all`` world's
+ms_per_step within 20 % of a single town's at the same batch. Each line carries the world's build time and size.
 """
 from __future__ import annotations
 
@@ -22,12 +27,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from envs import make_env  # noqa: E402
 
 
-def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic: bool) -> dict:
-    options = dict(bev=bev_size is not None, traffic=traffic, town_seeds=(0, 1), num_routes=256)
+TOWNS = ("Town01", "Town02", "Town03", "Town04", "Town05", "Town06", "Town07", "Town10HD")
+
+
+def world_options(world: str) -> dict:
+    if world == "procedural":
+        return dict(town_seeds=(0, 1))
+    if world == "all":
+        return dict(maps=(*TOWNS, "procedural"), town_seeds=(0, 1))
+    return dict(map=world)
+
+
+def world_mb(env) -> float:
+    """Megabytes of the world's tensors: lane and route tensors, the (atlas) raster and its derived BEV sources."""
+    w, seen, total = env.world, set(), 0
+    tensors = [v for v in vars(w).values() if isinstance(v, torch.Tensor)]
+    tensors += [w.raster.layers, w.raster.seg_id]
+    for v in w.raster.cache.values():
+        tensors += [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, torch.Tensor)]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return round(total / 2**20, 1)
+
+
+def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic: bool,
+          world: str = "procedural") -> dict:
+    options = dict(bev=bev_size is not None, traffic=traffic, num_routes=256, **world_options(world))
     if bev_size is not None:
         options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
+    t_load = time.perf_counter()
     env = make_env("sim", batch, device, 0, **options)
     env.reset()
+    load_s = time.perf_counter() - t_load
     gen = torch.Generator(device=device).manual_seed(0)
     actions = torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device) \
         - torch.tensor([0.1, 0.2], device=device)  # mostly forward, gentle steering: episodes of useful length
@@ -44,7 +77,8 @@ def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic
     elapsed = time.perf_counter() - t0
     return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
-            "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl"}
+            "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
+            "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env)}
 
 
 def bench_highway_env(seconds: float) -> dict | None:
@@ -74,19 +108,22 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-traffic", action="store_true")
+    p.add_argument("--worlds", nargs="*", default=["procedural"],
+                   help="procedural | a town or map file | all (8 towns + procedural in one world)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     batches = args.batches or ([1, 64, 256, 1024, 16384, 65536] if cuda else [1, 64, 256, 1024])
     bev_sizes = args.bev_sizes or ([128, 256] if cuda else [128])
     results = []
-    for bev in [None, *bev_sizes]:
-        for batch in batches:
-            if bev is not None and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
-                continue  # observation alone would not fit
-            r = bench(args.device, batch, bev, args.seconds, not args.no_traffic)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+    for world in args.worlds:
+        for bev in [None, *bev_sizes]:
+            for batch in batches:
+                if bev is not None and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
+                    continue  # observation alone would not fit
+                r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world)
+                results.append(r)
+                print(json.dumps(r), flush=True)
     ref = bench_highway_env(args.seconds)
     if ref is not None:
         ours = next((r for r in results if r["batch"] == 1 and r["bev"] == "none"), None)

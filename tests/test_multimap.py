@@ -201,3 +201,20 @@ def test_turn_bias_makes_routes_turn_more() -> None:
     base, biased = turn_share(0.0), turn_share(4.0)
     # a junction with one straight and two turning exits: 2/3 turns unbiased, 10/11 with bias 4
     assert biased > base + 0.1, (base, biased)
+
+
+def test_junction_start_puts_route_starts_before_junctions() -> None:
+    g = generate_world(ProceduralConfig(), [0])
+
+    def first_junction_m(bias: float) -> np.ndarray:
+        out = []
+        for r in random_routes(g, 60, (120.0, 200.0), seed=5, junction_start=bias):
+            inside = np.flatnonzero(g.is_junction[r.lanes])
+            out.append(r.cumulative()[inside[0]] if len(inside) else np.inf)
+        return np.array(out)
+
+    always = first_junction_m(1.0)
+    assert (always <= 50.0 + 1.0).all(), always.max()  # starts 5-50 m before the end of an approach lane
+    assert (always >= 5.0 - 1.0).all(), always.min()
+    uniform = first_junction_m(0.0)  # uniform starts also land closer than 5 m or further than 50 m
+    assert ((uniform < 4.0) | (uniform > 51.0)).sum() >= 3, uniform
