@@ -35,7 +35,7 @@ def composed_geometry(preset: str) -> tuple[int, float, int]:
             options.get("bev_ego_from_bottom", d.bev_ego_from_bottom))
 
 
-@pytest.mark.parametrize("preset", ["quick", "(none)", "carl_carla", "carl_nuplan"])
+@pytest.mark.parametrize("preset", ["quick", "(none)", "carl_carla", "carl_nuplan", "towns", "carl_sim"])
 def test_preset_bev_geometry_matches_the_docs(preset):
     doc = documented()
     assert preset in doc, f"docs/training.md has no BEV geometry row for {preset}"
@@ -52,10 +52,26 @@ def test_carla_presets_use_carls_geometry():
     """CaRL: 256 x 256 at 2 px/m, ego 100 px above the bottom edge (50 m behind, 78 m ahead)."""
     import torch
 
-    for preset in ("carl_carla", "carl_nuplan"):
+    for preset in ("carl_carla", "carl_nuplan", "carl_sim"):
         assert composed_geometry(preset) == (256, 2.0, 100)
     bc = BevConfig(256, 2.0, 100)
     ego = torch.zeros(1, 2)
     col_row = world_to_bev(torch.tensor([[[77.5, 0.0], [-49.5, 0.0]]]), ego, torch.zeros(1), bc)[0]
     assert 0 <= col_row[0, 1] < 1.0  # 77.5 m ahead: the top row
     assert 254.0 <= col_row[1, 1] < 256.0  # 49.5 m behind: the bottom row
+
+
+def test_carl_sim_is_carls_recipe():
+    """CaRL: 65,536 samples per update (8 ranks here), minibatch 16,384, 3 epochs, 300M samples."""
+    cfg = compose_config(["+experiment=carl_sim"])
+    assert cfg["env"]["num_envs"] * cfg["ppo"]["num_steps"] * 8 == 65_536
+    assert (cfg["ppo"]["minibatch_size"], cfg["ppo"]["update_epochs"], cfg["ppo"]["total_timesteps"]) == (
+        16_384, 3, 300_000_000)
+    one_gpu = compose_config(["+experiment=carl_sim", "env.num_envs=1024"])
+    assert one_gpu["env"]["num_envs"] * one_gpu["ppo"]["num_steps"] == 65_536
+
+
+def test_towns_preset_trains_on_longest6_towns_without_its_routes():
+    opts = compose_config(["+experiment=towns"])["env"]["options"]
+    assert list(opts["maps"]) == [f"Town0{i}" for i in range(1, 7)]
+    assert not opts.get("route_file")  # random routes only; the benchmark's routes are never trained on
