@@ -11,7 +11,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import torch
 
 from carl.config import PPOConfig
@@ -120,7 +119,8 @@ class PPOTrainer:
         cfg = self.cfg
         n = batch["actions"].shape[0]
         mb, k = cfg.minibatch_size // self.world_size, cfg.accumulation_steps  # this rank's share
-        sums: dict[str, float] = {}
+        names = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl", "grad_norm")
+        sums = torch.zeros(len(names), device=self.device)  # summed on the device: one host sync per update
         steps = 0
         self.policy.train()
         for _epoch in range(cfg.update_epochs):
@@ -131,7 +131,6 @@ class PPOTrainer:
                 if cfg.norm_adv:
                     adv = self.normalize_advantages(adv)
                 self.optimizer.zero_grad(set_to_none=True)
-                stats = np.zeros(6)
                 for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
                     obs = {key: v[micro] for key, v in batch["obs"].items()}
@@ -150,20 +149,15 @@ class PPOTrainer:
                         (terms.loss * weight).backward()
                     with torch.no_grad():
                         kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
-                    stats += weight * np.array([
-                        float(terms.policy_loss), float(terms.value_loss), float(terms.entropy),
-                        float(kl), float(terms.clip_frac), float(terms.old_approx_kl),
-                    ])
+                        sums[:6] += weight * torch.stack([
+                            terms.policy_loss.detach(), terms.value_loss.detach(), terms.entropy.detach(), kl,
+                            terms.clip_frac.detach(), terms.old_approx_kl.detach()]).float()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
                 if self.sync is not None:
                     self.sync.after_step()
-                for name, v in zip(
-                    ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl"), stats
-                ):
-                    sums[name] = sums.get(name, 0.0) + v
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+                sums[6] += grad_norm.detach().float()
                 steps += 1
         if self.sync is not None:
             self.sync.flush()
-        return {f"losses/{name}": float(v) / steps for name, v in sums.items()}
+        return {f"losses/{name}": v / steps for name, v in zip(names, sums.tolist())}
