@@ -187,20 +187,32 @@ def test_vehicle_slots_follow_the_rows_map() -> None:
 
 
 def test_turn_bias_makes_routes_turn_more() -> None:
+    """At every choice between turning and straight successors, a route turns with the rule's probability:
+    sum over turning exits of (1 + bias) / sum over all exits of (1 + bias * turning)."""
     g = generate_world(ProceduralConfig(), [0, 1])
     from envs.routes import _turning_lanes
 
     turning = _turning_lanes(g)
 
-    def turn_share(bias: float) -> float:
-        lanes = np.concatenate([np.unique(r.lanes) for r in random_routes(g, 200, (150.0, 300.0), seed=3,
-                                                                          turn_bias=bias)])
-        junction = lanes[g.is_junction[lanes]]
-        return float(turning[junction].mean())
+    def observed_and_expected(bias: float) -> tuple[float, float, int]:
+        turned, expected = [], []
+        for r in random_routes(g, 300, (150.0, 300.0), seed=3, turn_bias=bias):
+            seq = r.lanes[np.concatenate([[True], np.diff(r.lanes) != 0])]
+            for a, b in zip(seq[:-1], seq[1:]):
+                succ = g.successors(int(a))
+                t = turning[succ]
+                if int(b) not in succ.tolist() or t.all() or not t.any():
+                    continue  # not a choice between turning and straight
+                w = 1.0 + bias * t
+                turned.append(bool(turning[int(b)]))
+                expected.append(float(w[t].sum() / w.sum()))
+        return float(np.mean(turned)), float(np.mean(expected)), len(turned)
 
-    base, biased = turn_share(0.0), turn_share(4.0)
-    # a junction with one straight and two turning exits: 2/3 turns unbiased, 10/11 with bias 4
-    assert biased > base + 0.1, (base, biased)
+    for bias in (0.0, 4.0):
+        got, want, n = observed_and_expected(bias)
+        assert n > 200
+        assert abs(got - want) < 3 * np.sqrt(want * (1 - want) / n) + 0.01, (bias, got, want, n)
+    assert observed_and_expected(4.0)[0] > observed_and_expected(0.0)[0] + 0.1
 
 
 def test_junction_start_puts_route_starts_before_junctions() -> None:
