@@ -32,7 +32,7 @@ from torch import nn
 
 from carl.checkpoint import CheckpointError, load_checkpoint
 from carl.policy import CarlPolicy, beta_mean_action, beta_sample
-from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
+from envs.api import BEV_CHANNELS, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
 
 BUNDLE_FORMAT = "carl-policy-bundle"
 BUNDLE_VERSION = 1
@@ -42,11 +42,6 @@ ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
 ONNX_OUTPUTS = ("action", "alpha", "beta")
 MODEL_NAMES = ("carl",)  # model.name values this code can rebuild
 
-# What the built-in simulator (and the CARLA / nuPlan backends, which share its observation code) produce.
-BEV_CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
-                "speed_signs", "static_objects", "shoulder")
-MEASUREMENT_FIELDS = ("last_steer", "last_throttle", "last_brake", "gear", "speed_x_mps", "speed_y_mps",
-                      "forward_speed_mps", "speed_limit_mps")
 BEV_DEFAULTS = {"bev_size": 128, "bev_ppm": 2.0, "bev_ego_from_bottom": 50}  # envs/sim/config.py defaults
 
 PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -184,7 +179,8 @@ def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any]
             OBS_BEV: {"shape": shapes[OBS_BEV], "dtype": bev_dtype, "range": [0, 255], "channels": channels,
                       "note": "the network divides by 255; float inputs must keep the 0..255 scale"},
             OBS_MEASUREMENTS: {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
-                               "fields": list(MEASUREMENT_FIELDS) if shapes[OBS_MEASUREMENTS] == [8] else None},
+                               "fields": list(MEASUREMENTS) if shapes[OBS_MEASUREMENTS] == [len(MEASUREMENTS)]
+                               else None},
         },
         "critic_observations": {OBS_VALUE_MEASUREMENTS: {"shape": shapes[OBS_VALUE_MEASUREMENTS], "dtype": "float32",
                                                          "note": "value head only; not an input of the actor"}},

@@ -1,33 +1,45 @@
-"""Training configuration: dataclasses (the schema) and one up-front validation pass.
+"""Training configuration: the dataclasses below are the schema *and* the defaults.
 
-Hydra composes ``conf/train.yaml`` with its groups into a plain dictionary; :func:`from_dict` turns that dictionary
-into a :class:`TrainConfig`, checking every key, type and range once, before anything is built. Each problem is
-reported as a :class:`ConfigError` that names the full key, the offending value and the fix, e.g.::
+They are registered in Hydra's ConfigStore (:func:`register_configs`); ``conf/`` holds only presets and the values
+that differ (a test checks that no YAML file restates a default). ``env.options`` is typed by the chosen backend's
+own dataclass (``envs.options_schema``), so ``env.options.map=Town01`` needs no ``+`` and a typo is named with a
+suggestion. Every problem is collected and reported at once as one :class:`ConfigError`, each naming the full key,
+the offending value and the fix, e.g.::
 
-    config error: ppo.minibatch_size=1000 must divide the batch (env.num_envs * ppo.num_steps = 4096);
-    try ppo.minibatch_size=1024
+    config error: 2 problems:
+      unknown key ppo.learnign_rate=0.001; did you mean ppo.learning_rate?
+      ppo.minibatch_size=1000 must divide the batch (env.num_envs * ppo.num_steps = 4096); try ppo.minibatch_size=1024
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import envs
+from envs.config import Checks, ConfigError, suggest
 
-class ConfigError(ValueError):
-    """An invalid configuration value; the message names the key, the value and how to fix it."""
+__all__ = ["ConfigError", "EnvConfig", "ModelConfig", "PPOConfig", "ParallelConfig", "LoggingConfig", "TrainConfig",
+           "compose", "from_dict", "validate", "register_configs"]
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# config groups of conf/train.yaml (a selection such as env=carla is not a key)
+GROUPS = ("env", "parallel", "experiment")
+# parallel.sync: the gradient-sync methods of carl/parallel (make_sync builds them)
+SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
 
 
 @dataclass
 class EnvConfig:
     """Which environment backend, how many parallel environments and the backend's own options."""
 
-    name: str = "sim"  # a backend of envs.make_env, or "package.module:function" for a custom factory
+    name: str = "sim"  # a backend of envs.make_env, or "package.module:function" for a custom factory (env=custom)
     num_envs: int = 8
-    options: dict[str, Any] = field(default_factory=dict)  # passed verbatim to make_env (bev_size, town, ...)
+    # the backend's options (typed by envs.options_schema(name) in the composed config; a plain mapping here),
+    # passed to make_env
+    options: Any = field(default_factory=dict)
     eval_options: dict[str, Any] = field(default_factory=lambda: {"route_split": "eval"})  # merged for eval envs
 
 
@@ -44,11 +56,12 @@ class ModelConfig:
 
 @dataclass
 class PPOConfig:
-    """CleanRL-style PPO with CaRL's settings (reference §5)."""
+    """CleanRL-style PPO with CaRL's settings (reference §5.1). With the default 8 envs this is CaRL's 10M "tiny" run
+    (batch 4096, minibatch 1024); +experiment=carl_carla sets the 300M sizes."""
 
-    total_timesteps: int = 1_000_000
-    num_steps: int = 128  # rollout length per env; batch = env.num_envs * num_steps
-    minibatch_size: int = 256
+    total_timesteps: int = 10_000_000
+    num_steps: int = 512  # rollout length per env; batch = env.num_envs * num_steps
+    minibatch_size: int = 1024
     update_epochs: int = 3
     learning_rate: float = 2.5e-4
     anneal_lr: bool = True  # linear decay: lr = lr0 * (1 - (update - 1) / num_updates)
@@ -154,107 +167,257 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Conversion with type checks
+# Schema: the dataclasses above, env.options typed per backend, registered with Hydra
 # ----------------------------------------------------------------------------------------------------------------
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
+@functools.cache
+def env_schema(backend: str | None) -> type:
+    """:class:`EnvConfig` with ``options`` typed by the backend's dataclass; ``None`` (a custom factory) keeps a free
+    mapping."""
+    if backend is None:
+        return EnvConfig
+    options = envs.options_schema(backend)
+    return dataclasses.make_dataclass(
+        f"{backend.capitalize()}EnvConfig",
+        [("name", str, field(default=backend)), ("options", options, field(default_factory=options))],
+        bases=(EnvConfig,), namespace={"__module__": __name__})
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp`` (int, float, bool, str, optional, dict) and return it."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        for tp_i in inner[:-1]:  # the first type that takes the value; the last one reports the error
-            try:
-                return _coerce(key, value, tp_i)
-            except ConfigError:
-                pass
-        return _coerce(key, value, inner[-1])
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {key}={{bev_size: 64}}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore: ``train_schema`` and one ``env/<backend>_schema`` per backend, which
+    the YAML files of ``conf/`` extend (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for backend in envs.BACKENDS:
+        cs.store(group="env", name=f"{backend}_schema", node=env_schema(backend))
+    cs.store(group="env", name="custom_schema", node=EnvConfig)
+
+
+def schema(backend: str | None):  # -> DictConfig
+    """The whole typed schema with defaults, its ``env`` typed for ``backend``."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(TrainConfig)
+    base.env = OmegaConf.structured(env_schema(backend))
+    return base
+
+
+def backend_of(name: str) -> str | None:
+    return name if name in envs.BACKENDS else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checking values against the schema: every problem at once, in our words
+# ----------------------------------------------------------------------------------------------------------------
+def _expected(node: Any, key: str) -> str:
+    from omegaconf import ListConfig
+    from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+
+    if isinstance(node, BooleanNode):
+        return "true or false"
+    if isinstance(node, IntegerNode):
+        return f"an integer, e.g. {key}=8"
+    if isinstance(node, FloatNode):
+        return f"a number, e.g. {key}=0.5"
+    if isinstance(node, StringNode):
+        return "a string"
+    if isinstance(node, ListConfig):
+        return f"a list, e.g. {key}=[1,2]"
+    return "of another type"
+
+
+def _typed(node: Any) -> bool:
+    """A section of the schema (a dataclass), as opposed to a free mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return isinstance(node, DictConfig) and OmegaConf.get_type(node) not in (dict, None)
+
+
+def check_value(base: Any, key: str, value: Any, add: bool = False) -> bool:
+    """Set ``key=value`` on ``base`` (a typed config, changed in place) or raise a :class:`ConfigError` naming an
+    unknown key (with the closest valid one) or a value of the wrong type (with what it must be). Returns whether
+    the key lies in a free mapping (``env.eval_options``, nuPlan's ``sim`` overrides), where any key may be set."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError, ValidationError
+    from omegaconf.nodes import BooleanNode
+
+    parts = key.split(".")
+    node, depth = base, 0
+    for part in parts[:-1]:  # walk down the typed sections; below a free mapping any key goes
+        if not _typed(node) or part not in node or not isinstance(node[part], DictConfig):
+            break
+        node, depth = node[part], depth + 1
+    at = ".".join(parts[:depth])
+    if _typed(node) and (depth < len(parts) - 1 or parts[-1] not in node.keys()):  # keys(): MISSING too
+        raise ConfigError(f"unknown key {key}={value!r}; {suggest(parts[depth], list(node.keys()), at + '.' if at else '')}")
+    parent, leaf = node, parts[-1]
+    if add and depth == len(parts) - 1 and leaf in parent.keys():
+        raise ConfigError(f"+{key}={value!r}: the key exists, so drop the '+' ({key}=...); '+' adds a key, '++' sets "
+                          "either way")
+    node = parent._get_node(leaf) if depth == len(parts) - 1 and leaf in parent.keys() else None
+    if isinstance(node, BooleanNode) and not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}={value!r} must be an integer, e.g. {key}=8")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}={value!r} must be a number, e.g. {key}=0.5")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}={value!r} must be a string")
-    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # pragma: no cover - schema bug
+    try:
+        OmegaConf.update(base, key, value, merge=True, force_add=add or not _typed(parent))
+    except (ValidationError, ConfigKeyError) as exc:
+        if node is None:
+            raise ConfigError(f"{key}={value!r}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{key}={value!r} must be {_expected(node, key)}") from None
+    return not _typed(parent)
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}={data!r} must be a mapping of {cls.__name__} fields")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            full = f"{prefix}.{key}" if prefix else str(key)
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else f"valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown key {full}={data[key]!r}; {hint}")
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        full = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, data[name], full)
+def _leaves(data: dict[str, Any], base: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted (key, value) pairs of ``data`` down to the schema's leaves (free mappings are one value)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        node = base.get(k) if isinstance(base, DictConfig) and k in base else None
+        if isinstance(v, dict) and isinstance(node, DictConfig) and OmegaConf.get_type(node) not in (dict, None):
+            out += _leaves(v, node, key + ".")
         else:
-            kwargs[name] = _coerce(full, data[name], tp)
-    return cls(**kwargs)
+            out.append((key, v))
+    return out
+
+
+def from_dict(data: dict[str, Any], overrides: list[str] = (), world_size: int = 1) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from a plain dictionary (a saved ``config.yaml``) and ``key=value``
+    overrides: unknown keys, wrong types and bad values all reported at once."""
+    data = {k: v for k, v in data.items() if k != "hydra"}
+    env = data.get("env") if isinstance(data.get("env"), dict) else {}
+    base = schema(backend_of(str(env.get("name", EnvConfig.name))))
+    checks = Checks()
+    for key, value in _leaves(data, base):
+        checks.run(check_value, base, key, value)
+    checks.problems += check_overrides(list(overrides), base)[1]
+    checks.done()
+    return to_train_config(base, world_size)
+
+
+def to_train_config(cfg: Any, world_size: int = 1) -> TrainConfig:
+    """A composed, typed config -> a validated :class:`TrainConfig` of plain values; ``env.options`` becomes a plain
+    mapping (the backend builds its own config object from it)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    parts = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    sections = {"env": EnvConfig, "model": ModelConfig, "ppo": PPOConfig, "parallel": ParallelConfig,
+                "logging": LoggingConfig}
+    values = {k: sections[k](**v) if k in sections else v for k, v in data.items() if k in parts}
+    return validate(TrainConfig(**values), world_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Composition of conf/train.yaml with command-line overrides
+# ----------------------------------------------------------------------------------------------------------------
+def check_overrides(overrides: list[str], base: Any, groups: tuple[str, ...] = GROUPS) -> tuple[list[str], list[str]]:
+    """Check (and apply) every ``key=value`` override on the typed ``base``, before Hydra applies them one by one, so
+    all unknown keys and wrong types are found together (``groups``: selections, not keys). Returns the overrides
+    that passed and the problems of the others."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as exc:
+        raise ConfigError(f"{str(exc).splitlines()[0]} (overrides: {' '.join(overrides)})") from None
+    checks, good = Checks(), []
+    for text, ov in zip(overrides, parsed):
+        key = ov.key_or_group
+        if not (key in groups or key.startswith("hydra") or ov.is_delete() or ov.package):
+            before = len(checks.problems)
+            free = checks.run(check_value, base, key, ov.value(), ov.is_add())
+            if len(checks.problems) > before:
+                continue
+            if free and not (ov.is_add() or ov.is_force_add()):
+                text = "++" + text  # a free mapping takes new keys without a '+'
+        good.append(text)
+    return good, checks.problems
+
+
+def _compose(overrides: list[str], config_name: str, schemas: dict[str, type] | None,
+             groups: tuple[str, ...]) -> tuple[Any, Checks]:
+    """Hydra's composition of the overrides that pass :func:`check_overrides`; the problems of the others are
+    returned beside it, so that range checks can add theirs and everything is reported at once."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    register_configs()
+    if schemas:
+        for name, node in schemas.items():
+            ConfigStore.instance().store(name=name, node=node)
+        base = OmegaConf.structured(schemas[f"{config_name}_schema"])
+    else:
+        env_choice = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "env"), "sim")
+        base = schema(backend_of(env_choice))
+    checks = Checks()
+    good, problems = check_overrides(overrides, base, groups)  # the bad ones are left out of the composition
+    checks.problems += problems
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=good), checks
+    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types; all are user errors here
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = f"; `carl-{config_name} --cfg` prints every key" if "override" in msg.lower() else ""
+        raise ConfigError([*checks.problems, f"{msg} (overrides: {' '.join(overrides) or 'none'}){hint}"]) from None
+
+
+def compose(overrides: list[str], config_name: str = "train", schemas: dict[str, type] | None = None,
+            groups: tuple[str, ...] = GROUPS) -> Any:
+    """``conf/<config_name>.yaml`` + ``overrides`` composed by Hydra over its registered schema (no working-directory
+    change, no ``outputs/``). ``schemas`` (name -> dataclass) are stored for configs other than ``train``, whose YAML
+    extends ``<config_name>_schema``; every bad override is reported at once."""
+    cfg, checks = _compose(overrides, config_name, schemas, groups)
+    checks.done()
+    return cfg
+
+
+def load(overrides: list[str], world_size: int = 1) -> TrainConfig:
+    """Compose and validate the training config (for a launch of ``world_size`` ranks): bad overrides and bad values
+    are reported together."""
+    cfg, checks = _compose(overrides, "train", None, GROUPS)
+    result = checks.run(to_train_config, cfg, world_size)
+    checks.done()
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Range checks
 # ----------------------------------------------------------------------------------------------------------------
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check ranges and cross-field constraints; raise :class:`ConfigError` on the first problem."""
+def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
+    """Check ranges, cross-field constraints and the backend's options; raise one :class:`ConfigError` listing every
+    problem. ``ppo.minibatch_size`` is global: it must divide the batch of all ``world_size`` ranks."""
     e, p, par, lg = cfg.env, cfg.ppo, cfg.parallel, cfg.logging
+    checks = Checks()
+    _require = checks.need
     _require(e.num_envs >= 1, f"env.num_envs={e.num_envs} must be >= 1")
     _require(bool(e.name), "env.name is empty; use env=sim (or env.name=package.module:function)")
     _require(p.num_steps >= 1, f"ppo.num_steps={p.num_steps} must be >= 1")
     _require(p.total_timesteps >= 1, f"ppo.total_timesteps={p.total_timesteps} must be >= 1")
-    batch = cfg.batch_size
+    batch = cfg.batch_size * world_size
+    ranks = f" * {world_size} ranks" if world_size > 1 else ""
     _require(
         p.total_timesteps >= batch,
-        f"ppo.total_timesteps={p.total_timesteps} is smaller than one batch (env.num_envs * ppo.num_steps = {batch}); "
+        f"ppo.total_timesteps={p.total_timesteps} is smaller than one batch (env.num_envs * ppo.num_steps{ranks} = "
+        f"{batch}); "
         f"try ppo.total_timesteps={batch}",
     )
     _require(p.minibatch_size >= 1, f"ppo.minibatch_size={p.minibatch_size} must be >= 1")
-    if batch % p.minibatch_size:
+    if p.minibatch_size >= 1 and batch >= 1 and batch % p.minibatch_size:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         best = min(divisors, key=lambda d: abs(d - p.minibatch_size))
-        raise ConfigError(
-            f"ppo.minibatch_size={p.minibatch_size} must divide the batch (env.num_envs * ppo.num_steps = {batch}); "
-            f"try ppo.minibatch_size={best}"
-        )
+        _require(False, f"ppo.minibatch_size={p.minibatch_size} must divide the batch (env.num_envs * ppo.num_steps"
+                        f"{ranks} = {batch}); try ppo.minibatch_size={best}")
     _require(p.accumulation_steps >= 1, f"ppo.accumulation_steps={p.accumulation_steps} must be >= 1")
     _require(
-        p.minibatch_size % p.accumulation_steps == 0,
+        p.accumulation_steps < 1 or p.minibatch_size % p.accumulation_steps == 0,
         f"ppo.accumulation_steps={p.accumulation_steps} must divide ppo.minibatch_size={p.minibatch_size}",
     )
     _require(p.update_epochs >= 1, f"ppo.update_epochs={p.update_epochs} must be >= 1")
@@ -277,8 +440,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     _require(par.name in ("single", "ddp"), f"parallel.name={par.name!r}: use parallel=single or parallel=ddp")
     _require(par.bf16 in (True, False, "auto"), f"parallel.bf16={par.bf16!r} must be true, false or auto")
-    syncs = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
-    _require(par.sync in syncs, f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(syncs)}")
+    _require(par.sync in SYNC_METHODS,
+             f"parallel.sync={par.sync!r} is unknown; choose one of {', '.join(SYNC_METHODS)}")
     _require(par.powersgd_impl in ("layerwise", "torch"),
              f"parallel.powersgd_impl={par.powersgd_impl!r} must be layerwise or torch")
     _require(not par.hierarchical or par.per_layer_compression,
@@ -305,14 +468,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         v = getattr(lg, k)
         _require(v >= 0, f"logging.{k}={v} must be >= 0 (0 = off)")
     if lg.final_benchmark is not None:
-        from pathlib import Path
-
-        benches = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "benchmark").glob("*.yaml"))
+        benches = sorted(f.stem for f in (CONF_DIR / "benchmark").glob("*.yaml"))
         _require(lg.final_benchmark in benches, f"logging.final_benchmark={lg.final_benchmark!r} is not a benchmark; "
                  f"use one of {', '.join(benches)} (conf/benchmark), or null")
     _require(lg.eval_episodes >= 0, f"logging.eval_episodes={lg.eval_episodes} must be >= 0 (0 = no evaluation)")
     _require(lg.eval_max_steps >= 1, f"logging.eval_max_steps={lg.eval_max_steps} must be >= 1")
     _require(lg.video_max_frames >= 1, f"logging.video_max_frames={lg.video_max_frames} must be >= 1")
+    if backend_of(e.name) is not None:  # the backend's own checks, on the training and on the evaluation options
+        checks.run(envs.check_options, e.name, e.options)
+        if e.eval_options:
+            checks.run(envs.check_options, e.name, {**e.options, **e.eval_options})
+    checks.done()
     return cfg
 
 
@@ -345,21 +511,3 @@ def check_device(cfg: TrainConfig, cuda_available: bool, cpu_bf16: bool | None =
                               "autocast is slower than fp32; set parallel.bf16=false (or auto: on where supported)")
         if cfg.parallel.compile:
             raise ConfigError("parallel.compile=true needs CUDA; this run is on CPU, set parallel.compile=false")
-
-
-def from_dict(data: dict[str, Any]) -> TrainConfig:
-    """Build and validate a :class:`TrainConfig` from a plain (Hydra-composed) dictionary."""
-    data = {k: v for k, v in data.items() if k != "hydra"}
-    return validate(_build(TrainConfig, data, ""))
-
-
-def schema_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
-    """All dotted keys of the schema (for error hints about unknown overrides)."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        full = f"{prefix}{f.name}"
-        keys.append(full)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += schema_keys(hints[f.name], full + ".")
-    return keys

@@ -15,15 +15,38 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from carl.bundle import BundleError, check_bundle, export_bundle
 from carl.checkpoint import CheckpointError
-from carl.config import ConfigError
-from carl.evaluate import compose
+from carl.cli import command_line, fail, print_config
+from carl.config import ConfigError, compose
 
 PARITY_TOL = 1e-4
+
+
+@dataclass
+class ExportConfig:
+    """``carl-export``'s keys and defaults (``conf/export.yaml``)."""
+
+    checkpoint: str = "???"  # required: a carl-train checkpoint (.pt), e.g. runs/quick-.../best.pt
+    out_dir: str | None = None  # default <checkpoint folder>/bundle-<checkpoint name>
+    bev_dtype: str = "uint8"  # dtype of the ONNX/TorchScript bev input: uint8 (as the envs give it) or float32 (0..255)
+    onnx: bool = True  # write policy.onnx
+    onnx_exporter: str = "dynamo"  # dynamo (torch.export) or torchscript (legacy exporter, faster)
+    overwrite: bool = False  # replace the files of a non-empty out_dir
+    check: bool = True  # compare the exported graphs with the checkpoint on random observations
+
+
+def load(overrides: list[str]) -> dict[str, Any]:
+    """``conf/export.yaml`` + ``overrides`` over :class:`ExportConfig`, as plain values."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(compose(overrides, "export", schemas={"export_schema": ExportConfig}, groups=()))
+    assert isinstance(data, dict)
+    return data
 
 
 def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
@@ -48,23 +71,16 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        sys.exit(0)
+    overrides, print_cfg = command_line(argv, __doc__)
     try:
-        cfg = compose("export", [a for a in argv if a != "--cfg"])
-        if "--cfg" in argv:
-            from omegaconf import OmegaConf
-
-            print(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-            sys.exit(0)
+        cfg = load(overrides)
+        if print_cfg:
+            print_config(cfg)
         if cfg.get("checkpoint") in (None, "???"):
             raise ConfigError("checkpoint=<path to a .pt checkpoint> is required")
         code = run(cfg)
     except (ConfigError, CheckpointError, BundleError, ValueError) as exc:
-        print(f"carl-export error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail("carl-export error", exc)
     sys.exit(code)
 
 

@@ -8,8 +8,8 @@ Usage::
     carl-train resume=runs/quick-20250101-120000       # continue a run (counters, curves, RNG, env state)
     carl-train --cfg +experiment=quick                 # print the composed config and exit
 
-The config is composed with Hydra's compose API from ``conf/train.yaml`` (no working-directory change, no
-``outputs/`` folder), validated once (:mod:`carl.config`; errors exit with code 2) and saved to
+The config is composed with Hydra's compose API from ``conf/train.yaml`` over the schema of :mod:`carl.config` (no
+working-directory change, no ``outputs/`` folder), validated once (every error at once; exit code 2) and saved to
 ``<run dir>/config.yaml``. The loop below is the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
@@ -27,80 +27,43 @@ import numpy as np
 import torch
 
 from carl import checkpoint as ckpt_lib
-from carl.config import ConfigError, TrainConfig, check_device, from_dict, schema_keys, use_bf16
-from carl.evaluate_loop import PolicyFactory, evaluate, expert_factory, random_policy, write_result
-from carl.logging import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
-from carl.parallel import DistContext, DistributedError, init_distributed, make_sync
+from carl import config
+from carl.cli import command_line, fail, print_config
+from carl.config import ConfigError, TrainConfig, check_device, use_bf16
+from carl.eval.loop import evaluate
+from carl.eval.policies import PolicyFactory, expert_factory, random_policy
+from carl.eval.store import write_result
+from carl.monitor import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
+from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
 from carl.policy import CarlPolicy, describe
 from carl.ppo import PPOTrainer
 from envs.api import OBS_BEV, BatchedEnv
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-CONFIG_GROUPS = ("env", "model", "ppo", "parallel", "logging", "experiment")
-FREE_FORM_PREFIXES = ("env.options.", "env.eval_options.", "hydra.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Configuration
 # ------------------------------------------------------------------------------------------------------------------
-def _check_override_keys(overrides: list[str]) -> None:
-    """Give a clear error for ``key=value`` overrides of keys that do not exist (before Hydra's own message)."""
-    import difflib
-
-    known = set(schema_keys())
-    for item in overrides:
-        if "=" not in item or item.startswith(("+", "~", "--")):
-            continue
-        key = item.split("=", 1)[0]
-        if key in CONFIG_GROUPS or key in known or key.startswith(FREE_FORM_PREFIXES):
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        hint = f"did you mean {close[0]}?" if close else "see `carl-train --cfg` for all keys"
-        raise ConfigError(f"unknown key {key} (in override {item!r}); {hint}")
-
-
-def compose_config(overrides: list[str]) -> dict[str, Any]:
-    """Compose ``conf/train.yaml`` + overrides with Hydra and return a plain dict."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    _check_override_keys(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name="train", overrides=overrides)
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types; all are user errors here
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{msg} (overrides: {' '.join(overrides) or 'none'})") from None
-    assert isinstance(data, dict)
-    return data
-
-
 def load_config(overrides: list[str]) -> TrainConfig:
-    """Compose (or, with ``resume=<dir>``, reload ``<dir>/config.yaml``), apply overrides, validate."""
+    """Compose (or, with ``resume=<dir>``, reload ``<dir>/config.yaml``), apply overrides, validate (for torchrun's
+    ``WORLD_SIZE`` ranks)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     if not resume:
-        return from_dict(compose_config(overrides))
+        return config.load(overrides, world_size)
     from omegaconf import OmegaConf
 
     saved = Path(resume) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"resume={resume}: {saved} does not exist; pass the run folder of an earlier run")
     rest = [o for o in overrides if not o.startswith("resume=")]
-    groups = [o for o in rest if o.lstrip("+").split("=", 1)[0] in CONFIG_GROUPS]
+    groups = [o for o in rest if o.lstrip("+").split("=", 1)[0] in config.GROUPS]
     if groups:
         raise ConfigError(f"resume={resume} reuses the run's config; group selections {groups} are not allowed")
-    _check_override_keys(rest)
-    base = OmegaConf.load(saved)
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o.lstrip("+") for o in rest]))
-    data = OmegaConf.to_container(merged, resolve=True)
+    data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     assert isinstance(data, dict)
-    data["resume"] = resume
-    data["run_dir"] = resume
-    return from_dict(data)
+    return config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -222,11 +185,11 @@ def seed_everything(seed: int) -> None:
 
 def run_benchmark(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
     """``carl-eval policy=<run>/best.pt benchmark=<logging.final_benchmark>`` into ``<run>/eval/<benchmark>``."""
-    from carl import evaluate as carl_eval
+    from carl.eval import cli as carl_eval
 
     name = cfg.logging.final_benchmark
     print(f"benchmark {name} (its own conditions) on {run_dir / 'best.pt'}:", flush=True)
-    eval_cfg = carl_eval.compose("eval", [f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
+    eval_cfg = carl_eval.load([f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
                                           f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
     return carl_eval.run(eval_cfg)
 
@@ -242,6 +205,108 @@ def train(cfg: TrainConfig) -> int:
         return _train(cfg, ctx, device)
     finally:
         ctx.shutdown()
+
+
+class Checkpoints:
+    """Writes ``last.pt``, ``best.pt`` and ``update_<n>.pt`` (rank 0) with everything a resume needs: weights,
+    optimiser, counters, the env's and (with several ranks) every rank's env, RNG and sync state."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, run_dir: Path, policy: CarlPolicy, trainer: PPOTrainer,
+                 env: BatchedEnv, sync: SyncMethod, signature: dict[str, Any]) -> None:
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.policy, self.trainer, self.env, self.sync, self.signature = policy, trainer, env, sync, signature
+        self.rank_states: list[dict[str, Any]] = []  # gathered on rank 0 before a checkpoint may be written
+
+    def restore(self) -> tuple[int, int, float]:
+        """Load ``last.pt`` of the run being resumed; returns (update, global step, best driving score)."""
+        path = self.run_dir / "last.pt"
+        ck = ckpt_lib.load_checkpoint(path, self.signature, map_location=self.env.device)
+        check_resume_world(int(ck["extra"].get("world_size", 1)), self.ctx.world_size, str(path))
+        ckpt_lib.restore(ck, self.policy, self.trainer.optimizer)
+        if self.ctx.distributed:  # this rank's own env and RNG state; the sync method's shared state
+            own = ck["extra"]["ranks"][self.ctx.rank]
+            self.env.load_state_dict(own["env"])
+            ckpt_lib.restore_rng(own["rng"])
+            self.sync.load_state_dict(ck["extra"].get("sync", {}))
+            self.sync.load_rank_state_dict(own.get("sync", {}))  # error-feedback residuals
+        else:
+            self.env.load_state_dict(ck["env"])
+        return ck["update"], ck["global_step"], ck["extra"].get("best_driving_score", float("-inf"))
+
+    def due(self, update: int, last: bool) -> list[str]:
+        """The files to write after ``update`` (``last``: the final or an interrupted update)."""
+        lg = self.cfg.logging
+        names = ["last.pt"] if update % lg.checkpoint_last_every == 0 or last else []
+        if lg.checkpoint_every and update % lg.checkpoint_every == 0:
+            names.append(f"update_{update:06d}.pt")
+        return names
+
+    def gather(self) -> None:
+        """With several ranks: collect every rank's env, RNG and sync state on rank 0 (all ranks call this)."""
+        if self.ctx.distributed:
+            self.rank_states = self.ctx.gather_to_main({"env": self.env.state_dict(), "rng": ckpt_lib.capture_rng(),
+                                                        "sync": self.sync.rank_state_dict()}, "checkpoint state")
+
+    def save(self, name: str, update: int, global_step: int, best_ds: float) -> None:
+        if not self.ctx.is_main:
+            return
+        extra: dict[str, Any] = {"best_driving_score": best_ds}
+        if self.ctx.distributed:
+            extra.update(world_size=self.ctx.world_size, ranks=self.rank_states, sync=self.sync.state_dict())
+        payload = ckpt_lib.make_checkpoint(self.policy, self.trainer.optimizer, update, global_step, self.signature,
+                                           self.cfg.to_dict(), self.env.state_dict(), extra)
+        ckpt_lib.atomic_save(payload, self.run_dir / name)
+
+
+class Evaluation:
+    """Held-out evaluation of the training policy (rank 0): periodic, final, and the baselines beside it."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, run_dir: Path, device: torch.device, policy: CarlPolicy,
+                 tb: TBLogger) -> None:
+        self.cfg, self.ctx, self.run_dir, self.device, self.policy, self.tb = cfg, ctx, run_dir, device, policy, tb
+        self.seed = cfg.seed + 1_000_003
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.logging.eval_episodes > 0 and self.ctx.is_main
+
+    def due(self, update: int, num_updates: int) -> bool:
+        every = self.cfg.logging.eval_every
+        return bool(every) and update % every == 0 and update != num_updates
+
+    def make_env(self, n: int) -> BatchedEnv:
+        return build_env(self.cfg, n, self.device, self.seed, eval=True)
+
+    def run(self, name: str, update: int, global_step: int) -> dict[str, Any] | None:
+        """Evaluate the policy, write ``eval/<name>.json`` and log it; None where evaluation is off (or not rank 0)."""
+        if not self.enabled:
+            return None
+        lg = self.cfg.logging
+        self.policy.eval()
+        result = evaluate(self.make_env, lambda _env: self.policy.deterministic_action, lg.eval_episodes,
+                          lg.eval_max_steps, self.seed)
+        result.update(update=update, global_step=global_step)
+        write_result(result, self.run_dir / "eval" / f"{name}.json")
+        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return")}
+        scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
+        self.tb.scalars(scalars, global_step)
+        return result
+
+    def baselines(self, trained: dict[str, Any]) -> None:
+        """The random policy and the backend's expert on the same routes; prints the table."""
+        lg, name = self.cfg.logging, self.cfg.env.name
+        results: dict[str, dict[str, Any]] = {"trained": trained}
+        if lg.final_baselines:
+            factories: dict[str, PolicyFactory] = {"random": random_policy}
+            expert = None if ":" in name else expert_factory(name)
+            if expert is not None:
+                factories["expert"] = expert
+            for who, factory in factories.items():
+                results[who] = evaluate(self.make_env, factory, lg.eval_episodes, lg.eval_max_steps, self.seed)
+            write_result(results, self.run_dir / "eval" / "baselines.json")
+            if expert is None and ":" not in name:
+                print(f"(no expert for env {name!r}: envs.{name}.expert.make_expert not found)")
+        print(f"final evaluation on {lg.eval_episodes} held-out routes:\n{format_eval_table(results)}")
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
@@ -267,12 +332,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     signature = policy.signature()
     if cfg.parallel.compile:
         policy.compile()
-    sync = None
-    if ctx.distributed:
-        try:
-            sync = make_sync(policy, ctx, cfg.parallel)  # DDP broadcasts rank 0's weights
-        except ValueError as exc:
-            raise ConfigError(f"rank {ctx.rank}: {exc}") from None
+    try:
+        sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method; DDP broadcasts rank 0's weights
+    except ValueError as exc:
+        raise ConfigError(f"rank {ctx.rank}: {exc}") from None
     timer = PhaseTimer(cuda_sync=device.type == "cuda")
     trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=use_bf16(cfg, device.type == "cuda"), sync=sync,
                          ctx=ctx if ctx.distributed else None)
@@ -287,22 +350,10 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         f"{num_updates} updates x {batch} samples (minibatch {cfg.ppo.minibatch_size}, {cfg.ppo.update_epochs} epochs)",
         flush=True)
 
+    checkpoints = Checkpoints(cfg, ctx, run_dir, policy, trainer, env, sync, signature)
     start_update, global_step, best_ds = 0, 0, float("-inf")
     if cfg.resume:
-        ck = ckpt_lib.load_checkpoint(run_dir / "last.pt", signature, map_location=device)
-        check_resume_world(int(ck["extra"].get("world_size", 1)), ctx.world_size, str(run_dir / "last.pt"))
-        ckpt_lib.restore(ck, policy, trainer.optimizer)
-        if ctx.distributed:  # this rank's own env and RNG state; the sync method's shared state
-            own = ck["extra"]["ranks"][ctx.rank]
-            env.load_state_dict(own["env"])
-            ckpt_lib.restore_rng(own["rng"])
-            assert sync is not None
-            sync.load_state_dict(ck["extra"].get("sync", {}))
-            sync.load_rank_state_dict(own.get("sync", {}))  # error-feedback residuals
-        else:
-            env.load_state_dict(ck["env"])
-        start_update, global_step = ck["update"], ck["global_step"]
-        best_ds = ck["extra"].get("best_driving_score", best_ds)
+        start_update, global_step, best_ds = checkpoints.restore()
         say(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
         trainer.reset(seed=None)
     else:
@@ -310,43 +361,15 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
 
     tb = TBLogger(run_dir / "tb", cfg.logging.tensorboard and ctx.is_main,
                   purge_step=global_step + 1 if cfg.resume else None)
+    evaluation = Evaluation(cfg, ctx, run_dir, device, policy, tb)
     stop = StopRequest()
     stop.install()
     # with several ranks, a stop is agreed on at update boundaries (all ranks stop at the same update)
     should_stop = (lambda: False) if ctx.distributed else stop
     bar = ProgressBar(cfg.ppo.total_timesteps, cfg.logging.progress_bar and ctx.is_main)
-    rank_states: list[dict[str, Any]] = []  # every rank's env, RNG and sync state, gathered on rank 0 for checkpoints
     video = VideoRecorder(cfg.logging.video_max_frames)
-    eval_seed = cfg.seed + 1_000_003
 
-    def make_eval_env(n: int) -> BatchedEnv:
-        return build_env(cfg, n, device, eval_seed, eval=True)
-
-    def save(name: str, update: int) -> None:
-        if not ctx.is_main:
-            return
-        extra: dict[str, Any] = {"best_driving_score": best_ds}
-        if ctx.distributed:
-            assert sync is not None
-            extra.update(world_size=ctx.world_size, ranks=rank_states, sync=sync.state_dict())
-        payload = ckpt_lib.make_checkpoint(policy, trainer.optimizer, update, global_step, signature, cfg.to_dict(),
-                                           env.state_dict(), extra)
-        ckpt_lib.atomic_save(payload, run_dir / name)
-
-    def run_eval(name: str, update: int) -> dict[str, Any] | None:
-        if cfg.logging.eval_episodes == 0 or not ctx.is_main:
-            return None
-        policy.eval()
-        result = evaluate(make_eval_env, lambda _env: policy.deterministic_action, cfg.logging.eval_episodes,
-                          cfg.logging.eval_max_steps, eval_seed)
-        result.update(update=update, global_step=global_step)
-        write_result(result, run_dir / "eval" / f"{name}.json")
-        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return")}
-        scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
-        tb.scalars(scalars, global_step)
-        return result
-
-    # -- the loop -------------------------------------------------------------------------------------------------
+    # -- the loop: collect, update, log, evaluate, checkpoint ------------------------------------------------------
     t_begin, steps_this_run, status = time.perf_counter(), 0, "finished"
     update = start_update
     for update in range(start_update + 1, num_updates + 1):
@@ -374,7 +397,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         global_step += batch
         steps_this_run += batch
         iter_time = time.perf_counter() - t0
-        sync_stats = sync.pop_stats() if sync is not None else {}
+        sync_stats = sync.pop_stats()
         timer.totals["sync"] += sync_stats.get("sync/seconds", 0.0)  # part of `update`, shown separately
         times = timer.pop()
 
@@ -390,25 +413,20 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         if ctx.distributed and ctx.any(stop.requested):
             stop.requested, stop.signal_name = True, stop.signal_name or "a signal to another rank"
 
-        if (cfg.logging.eval_every and update % cfg.logging.eval_every == 0) and update != num_updates:
+        evaluating = evaluation.due(update, num_updates)
+        files = checkpoints.due(update, last=stop.requested or update == num_updates)
+        if files or evaluating:  # every rank decides alike, so the state gather is collective
+            checkpoints.gather()
+        if evaluating:
             t_eval = time.perf_counter()
-            result = run_eval(f"update_{update:06d}", update)
+            result = evaluation.run(f"update_{update:06d}", update, global_step)
             stats["time/eval"] = time.perf_counter() - t_eval
             if result is not None and result["driving_score"] > best_ds:
                 best_ds = result["driving_score"]
-                save("best.pt", update)
+                checkpoints.save("best.pt", update, global_step, best_ds)
         t_ck = time.perf_counter()
-        if ctx.distributed:  # same decision on every rank: gather env/RNG states when any file may be written
-            if (update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates
-                    or (cfg.logging.checkpoint_every and update % cfg.logging.checkpoint_every == 0)
-                    or (cfg.logging.eval_every and update % cfg.logging.eval_every == 0)):
-                rank_states = ctx.gather_to_main({"env": env.state_dict(), "rng": ckpt_lib.capture_rng(),
-                                                  "sync": sync.rank_state_dict() if sync is not None else {}},
-                                                 "checkpoint state")
-        if update % cfg.logging.checkpoint_last_every == 0 or stop.requested or update == num_updates:
-            save("last.pt", update)
-        if cfg.logging.checkpoint_every and update % cfg.logging.checkpoint_every == 0:
-            save(f"update_{update:06d}.pt", update)
+        for name in files:
+            checkpoints.save(name, update, global_step, best_ds)
         stats["time/checkpoint"] = time.perf_counter() - t_ck
 
         frames = video.take()
@@ -426,32 +444,20 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
             status = f"stopped by {stop.signal_name}"
             break
 
+    # -- the end: an interrupted run saves and says how to continue; a finished one is evaluated (rank 0) ----------
     bar.clear()
     if status != "finished":
-        save("last.pt", update)
+        checkpoints.save("last.pt", update, global_step, best_ds)
         say(f"{status}: saved {run_dir / 'last.pt'} (update {update}, {global_step:,} samples); "
-              f"continue with: carl-train resume={run_dir}", flush=True)
+            f"continue with: carl-train resume={run_dir}", flush=True)
     elif ctx.is_main:
-        # -- final evaluation and baselines (rank 0 only) --------------------------------------------------------
-        final = run_eval("final", update)
+        final = evaluation.run("final", update, global_step)
         if final is not None:
             if final["driving_score"] > best_ds:
                 best_ds = final["driving_score"]
-                save("best.pt", update)
-            save("last.pt", update)
-            results: dict[str, dict[str, Any]] = {"trained": final}
-            if cfg.logging.final_baselines:
-                baselines: dict[str, PolicyFactory] = {"random": random_policy}
-                expert = None if ":" in cfg.env.name else expert_factory(cfg.env.name)
-                if expert is not None:
-                    baselines["expert"] = expert
-                for name, factory in baselines.items():
-                    results[name] = evaluate(make_eval_env, factory, cfg.logging.eval_episodes,
-                                             cfg.logging.eval_max_steps, eval_seed)
-                write_result(results, run_dir / "eval" / "baselines.json")
-                if expert is None and ":" not in cfg.env.name:
-                    print(f"(no expert for env {cfg.env.name!r}: envs.{cfg.env.name}.expert.make_expert not found)")
-            print(f"final evaluation on {cfg.logging.eval_episodes} held-out routes:\n{format_eval_table(results)}")
+                checkpoints.save("best.pt", update, global_step, best_ds)
+            checkpoints.save("last.pt", update, global_step, best_ds)
+            evaluation.baselines(final)
         if cfg.logging.final_benchmark:
             run_benchmark(cfg, run_dir, device)
     tb.close()
@@ -467,29 +473,18 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
 # Entry point
 # ------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        sys.exit(0)
-    print_cfg = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
+    overrides, print_cfg = command_line(argv, __doc__)
     try:
         cfg = load_config(overrides)
         if print_cfg:
-            from omegaconf import OmegaConf
-
-            print(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
-            sys.exit(0)
+            print_config(cfg.to_dict())
         code = train(cfg)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail("config error", exc)
     except ckpt_lib.CheckpointError as exc:
-        print(f"checkpoint error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail("checkpoint error", exc)
     except DistributedError as exc:
-        print(f"distributed error: {exc}; the last checkpoint (last.pt) is intact", file=sys.stderr)
-        sys.exit(3)
+        fail("distributed error", f"{exc}; the last checkpoint (last.pt) is intact", 3)
     sys.exit(code)
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from envs.reward import COMFORT_METRICS
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -44,6 +46,16 @@ class StepResult:
 OBS_BEV = "bev"  # uint8 [C, H, W]
 OBS_MEASUREMENTS = "measurements"  # float32 [8], actor and critic
 OBS_VALUE_MEASUREMENTS = "value_measurements"  # float32 [10], critic only
+
+# What every backend's observation holds, in order (the simulator's observation code, shared by all of them).
+BEV_CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
+                "speed_signs", "static_objects", "shoulder")
+MEASUREMENTS = ("last_steer", "last_throttle", "last_brake", "gear", "speed_x_mps", "speed_y_mps",
+                "forward_speed_mps", "speed_limit_mps")
+# fractions left of: the episode's time, the time until blocked, the route (points / 100), the TTC penalty window and
+# each comfort penalty window
+VALUE_MEASUREMENTS = ("time_left", "time_until_blocked", "route_points_left", "ttc_window_left",
+                      *(f"comfort_window_left_{m}" for m in COMFORT_METRICS))
 
 
 class BatchedEnv(abc.ABC):

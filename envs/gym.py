@@ -16,7 +16,8 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from envs.api import BatchedEnv
-from envs.sim.config import SimConfig, from_dict
+from envs.config import from_dict
+from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
 
 ENV_ID = "carl/Sim-v0"

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from envs.config import Checks
+
 COMFORT_METRICS = ("lon_acc", "lat_acc", "jerk", "lon_jerk", "yaw_rate", "yaw_acc")
 
 
@@ -41,17 +43,16 @@ class RewardConfig:
     survival_bonus: float = 0.0  # CaRL: off on CARLA
 
     def validate(self, prefix: str = "reward") -> None:
+        """Raise one :class:`ConfigError` naming every bad constant."""
+        checks = Checks()
         for name in ("terminal_penalty", "speeding_margin", "ttc_factor", "survival_bonus"):
             v = getattr(self, name)
-            if not v >= 0:
-                raise ValueError(f"{prefix}.{name}={v}: must be >= 0")
-        if self.speeding_margin == 0:
-            raise ValueError(f"{prefix}.speeding_margin=0: must be > 0 (it divides the speed excess)")
+            checks.need(v >= 0, f"{prefix}.{name}={v}: must be >= 0")
+        checks.need(self.speeding_margin != 0, f"{prefix}.speeding_margin=0: must be > 0 (it divides the speed excess)")
         for name in ("ttc_penalty_ticks", "comfort_penalty_ticks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
-        if not 0 <= self.ttc_factor <= 1:
-            raise ValueError(f"{prefix}.ttc_factor={self.ttc_factor}: must be in [0, 1]")
+            checks.need(getattr(self, name) >= 0, f"{prefix}.{name}={getattr(self, name)}: must be >= 0")
+        checks.need(0 <= self.ttc_factor <= 1, f"{prefix}.ttc_factor={self.ttc_factor}: must be in [0, 1]")
+        checks.done()
 
 
 @dataclass

@@ -19,6 +19,9 @@ the crossed marking is solid, so legal changes are preferred but a route never f
 non-junction lane has no neighbour link on a side, a parallel same-direction lane one lane width over still gets
 lane-change edges at ``SOLID_LINE_PENALTY`` (loaders drop links across solid lines, while CARLA's lane-change
 permissions vary along a lane; the leaderboard's planner changes lanes there).
+
+One file, on purpose: the three route sources share the planning graph (``_GraphIndex``) and the densification
+into :class:`Route`; split, each would reach into the others' private index.
 """
 from __future__ import annotations
 

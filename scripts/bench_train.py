@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16  # noqa: E402
-from carl.logging import PhaseTimer  # noqa: E402
+from carl.monitor import PhaseTimer  # noqa: E402
 from carl.policy import CarlPolicy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
 from carl.train import build_env, load_config  # noqa: E402

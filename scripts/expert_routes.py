@@ -19,7 +19,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from carl.evaluate_loop import run_first_episodes  # noqa: E402
+from carl.eval.loop import run_first_episodes  # noqa: E402
 from envs import make_env  # noqa: E402
 from envs.routes import parse_leaderboard_xml  # noqa: E402
 from envs.sim.expert import Expert  # noqa: E402

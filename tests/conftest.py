@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from envs.carla.testing import TAG_VAR, describe, kill_all, survivors, tagged, descendants, wait_for
+from tests.support.processes import TAG_VAR, describe, kill_all, survivors, tagged, descendants, wait_for
 
 SESSION_TAG = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 os.environ[TAG_VAR] = SESSION_TAG  # inherited by every process this session starts

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from envs.carla.servers import CarlaServer, PortAllocator
-from envs.carla.testing import standin_executable
 from envs.maps.opendrive import default_maps_dir
+from tests.support.processes import standin_executable
 from test_export import tiny_checkpoint  # one tiny trainer checkpoint for every test
 
 MAPS = default_maps_dir()
@@ -23,7 +23,7 @@ needs_maps = pytest.mark.skipif(TOWN01 is None or not TOWN01.is_file(), reason="
 
 
 def test_agent_config_and_plan(tmp_path: Path) -> None:
-    from envs.carla.leaderboard_agent import keypoints_from_plan, read_agent_config, sim_config_for
+    from carl.deploy.leaderboard_agent import keypoints_from_plan, read_agent_config, sim_config_for
 
     assert read_agent_config(tmp_path / "a.pt") == {"policy": str(tmp_path / "a.pt")}
     (tmp_path / "agent.json").write_text(json.dumps({"policy": "bundle", "options": {"light_yellow": 3.0}}))
@@ -73,8 +73,9 @@ def test_vehicle_light_states_map_onto_the_simulator_bits() -> None:
 
 DRIVE = """
     import json, sys, torch, carla
-    from envs.carla.worker import CarlaWorker, split_options
-    from envs.carla.leaderboard_agent import CarlAgent
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker
+    from carl.deploy.leaderboard_agent import CarlAgent
     from envs.maps.opendrive import world_to_carla
     rpc, tm, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=2, traffic_pedestrians=2, walker_ai=False,
@@ -93,7 +94,7 @@ DRIVE = """
     agent.setup(ckpt)
     world = w.cworld
     s = world.get_settings(); s.fixed_delta_seconds = 0.05; world.apply_settings(s)  # the leaderboard's 20 Hz
-    hero = w._tracked.ego
+    hero = w.actors.tracked.ego
     c0 = agent.run_step({}, 0.0)
     obs0 = agent.last_obs
     out = {"control": type(c0).__name__,

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from envs.carla.testing import (TAG_VAR, Proc, describe, is_helper, processes, standin_executable, tagged, wait_for,
-                                write_script)
 from envs.carla.vector import make_carla_env
 from envs.maps.opendrive import default_maps_dir
+from tests.support.processes import (TAG_VAR, Proc, describe, is_helper, processes, standin_executable, tagged,
+                                     wait_for, write_script)
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None
@@ -59,7 +59,7 @@ def options(tmp_path: Path, port: int) -> dict:
 
 
 def standins(tag: str) -> dict[int, Proc]:
-    return {pid: p for pid, p in left(tag).items() if "standin.py" in p.cmdline}
+    return {pid: p for pid, p in left(tag).items() if "carla_standin.py" in p.cmdline}
 
 
 # ---------------------------------------------------------------------------------------------- in this process

@@ -1,7 +1,7 @@
 """Server manager: port blocks, command lines, CARLA_ROOT errors, readiness time-outs with log tails, restarts.
 
 Stand-in executables replace ``CarlaUE4.sh``: shell scripts that never get ready or die, and the protocol stand-in
-(``envs/carla/standin.py``), which the real ``carla`` client probes in a subprocess (marked ``carla``).
+(``tests/support/carla_standin.py``), which the real ``carla`` client probes in a subprocess (marked ``carla``).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 
 from envs.carla.servers import (CarlaServer, PortAllocator, PortBlock, ServerError, ServerManager, launch_command,
                                 port_free, resolve_executable)
-from envs.carla.testing import standin_executable, write_script
 from envs.maps.opendrive import default_maps_dir
+from tests.support.processes import standin_executable, write_script
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.carla.testing import standin_executable
 from envs.maps.opendrive import default_maps_dir
+from tests.support.processes import standin_executable
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from envs.carla.servers import CarlaServer, PortAllocator
-from envs.carla.testing import standin_executable
 from envs.carla.vector import make_carla_env
 from envs.carla.worker import CarlaError
 from envs.maps.opendrive import default_maps_dir
-from envs.sim.config import ConfigError
+from envs.config import ConfigError
+from tests.support.processes import standin_executable
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None
@@ -91,7 +91,8 @@ def test_real_client_against_standin(standin) -> None:
 EQUALITY = """
     import json, sys, torch
     from pathlib import Path
-    from envs.carla.worker import CarlaWorker, split_options
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker
     from envs.sim.env import SimEnv
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
@@ -127,7 +128,8 @@ def test_first_observations_equal_the_builtin_simulator(standin) -> None:
 POLICY_EQUALITY = """
     import json, sys, torch
     import carl
-    from envs.carla.worker import CarlaWorker, split_options
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker
     from envs.sim.env import SimEnv
     rpc, tm, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     policy, spec = carl.load_policy(ckpt)
@@ -222,7 +224,8 @@ def test_options_are_validated() -> None:
 
 LIGHTS = """
     import json, sys, torch, carla
-    from envs.carla.worker import CarlaWorker, split_options
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker
     from envs.sim.expert import Expert
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
@@ -235,12 +238,12 @@ LIGHTS = """
             tl.set_state(colour)
             tl.freeze(True)
     groups = w.world.stop_group.unsqueeze(0)
-    states = lambda: sorted(set(w._lights(w.state, groups)[0][groups >= 0].tolist()))
+    states = lambda: sorted(set(w.lights.state(w.state, groups)[0][groups >= 0].tolist()))
     ch5 = lambda obs: sorted(set(obs["bev"][0, 5].unique().tolist()) - {0})
     set_all(carla.TrafficLightState.Green)
     obs = w.reset(seed=0)
     out = {"lights": len(tls), "groups": int(w.world.group_junction.shape[0]),
-           "matched": w._light_src.matched, "state": {"green": states()}}
+           "matched": w.lights.carla.matched, "state": {"green": states()}}
     steps = 0
     while not ch5(obs) and steps < 600:  # the expert drives (on green) until a light is in view
         obs = w.step(expert(obs)).obs
@@ -266,7 +269,7 @@ LIGHTS = """
 
 
 def test_traffic_lights_set_on_the_server_reach_the_observation(standin) -> None:
-    """The stand-in serves one light per signalised stop line; colours set through the client show in ``_lights``,
+    """The stand-in serves one light per signalised stop line; colours set through the client show in the light part,
     in BEV channel 5 and in the red-light check."""
     from envs.sim.observation import LIGHT_GREEN, LIGHT_RED
 
@@ -280,7 +283,8 @@ def test_traffic_lights_set_on_the_server_reach_the_observation(standin) -> None
 
 VEHICLE_LIGHTS = """
     import json, sys, torch
-    from envs.carla.worker import CarlaWorker, split_options
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker, actor_half
     from envs.maps.opendrive import carla_to_world
     from envs.sim.agents import LIGHT_BRAKE
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
@@ -289,19 +293,19 @@ VEHICLE_LIGHTS = """
     w = CarlaWorker(cc, sc, rpc, tm, seed=0)
     w.reset(seed=0)
     # a Traffic Manager car 25 m behind the standing ego, lights managed by the TM as the worker's own traffic
-    tf = w.cmap.get_waypoint(w._tracked.ego.get_location()).previous(25.0)[0].transform
+    tf = w.cmap.get_waypoint(w.actors.tracked.ego.get_location()).previous(25.0)[0].transform
     tf.location.z += 0.5
     follower = w.cworld.spawn_actor(w.cworld.get_blueprint_library().find("vehicle.audi.a2"), tf)
     follower.set_autopilot(True, w.tm_port)
     w.tm.update_vehicle_lights(follower, True)
-    w._tracked.vehicles.append(follower)
-    w._tracked.half[follower.id] = w._half(follower)
+    w.actors.tracked.vehicles.append(follower)
+    w.actors.tracked.half[follower.id] = actor_half(follower)
     out = {"same_as_server": True, "braking_lit": 0, "braking_dark": 0, "lit_rows": 0}
     speed = 0.0
     for _ in range(60):
         w.step(torch.tensor([[0.0, -1.0]]))  # the ego brakes, standing
         veh, flags = w.state.veh, w.cworld.get_vehicles_light_states()
-        for v in w._tracked.vehicles:  # the row of each CARLA vehicle, by position
+        for v in w.actors.tracked.vehicles:  # the row of each CARLA vehicle, by position
             loc = v.get_location()
             xy = torch.tensor(carla_to_world(loc.x, loc.y), dtype=torch.float32)
             row = int(((veh.xy[0] - xy).norm(dim=-1) + (~veh.valid[0]) * 1e9).argmin())

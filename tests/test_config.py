@@ -1,10 +1,13 @@
 """Config composition and validation: every error names the full key, the value and a fix."""
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from carl.config import ConfigError, TrainConfig, from_dict
-from carl.train import compose_config, load_config
+import pytest
+from omegaconf import OmegaConf
+
+from carl.config import ConfigError, TrainConfig, backend_of, compose, from_dict, schema
+from carl.train import load_config
 
 
 def test_presets_compose_and_validate() -> None:
@@ -54,7 +57,7 @@ def test_bad_range_is_named(override: str, pattern: str) -> None:
 
 
 def test_from_dict_nested_unknown_key() -> None:
-    data = compose_config([])
+    data = load_config([]).to_dict()
     data["logging"]["eval_evry"] = 3
     with pytest.raises(ConfigError, match=r"unknown key logging\.eval_evry=3; did you mean logging\.eval_every"):
         from_dict(data)
@@ -71,3 +74,98 @@ def test_bf16_refused_on_cpu_without_it() -> None:
     check_device(auto, cuda_available=False, cpu_bf16=False)  # auto never fails: it falls back to fp32
     with pytest.raises(ConfigError, match="parallel.bf16='yes' must be true, false or auto"):
         load_config(["parallel.bf16=yes"])
+
+
+# -- one source of defaults ---------------------------------------------------------------------------------------
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _leaves(data: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _restated(path: Path, root: Path = CONF) -> list[str]:
+    """Values of a conf/ file equal to what they would override: the registered schema for group files, the schema
+    plus the chosen env group for experiment presets."""
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    choices = raw.pop("defaults", [])
+    if path.parent.name == "experiment":
+        env = next((v for d in choices if isinstance(d, dict) for k, v in d.items() if k == "override /env"), "sim")
+        base, data = OmegaConf.to_container(compose([f"env={env}"])), raw
+    else:
+        group = path.parent.name
+        backend = path.stem if group == "env" else "sim"
+        base = OmegaConf.to_container(schema(backend_of(backend)))
+        data = {group: raw}
+    same = []
+    for key, value in _leaves(data):
+        node: object = base
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is not KeyError and node == value:
+            same.append(f"{path.relative_to(root)}: {key}={value!r}")
+    return same
+
+
+def test_no_default_is_written_twice() -> None:
+    """conf/ holds presets and the values that differ; the defaults live only in the registered dataclasses."""
+    files = sorted(p for p in CONF.rglob("*.yaml") if p.parent.name in ("env", "parallel", "experiment"))
+    assert len(files) >= 9
+    assert [s for p in files for s in _restated(p)] == []
+    assert not any((CONF / d).exists() for d in ("ppo", "model", "logging"))  # their defaults are the schema's
+
+
+def test_restated_default_is_detected(tmp_path: Path) -> None:
+    bad = tmp_path / "experiment" / "x.yaml"
+    bad.parent.mkdir()
+    bad.write_text("# @package _global_\nppo:\n  gamma: 0.99\n  ent_coef: 0.0\nenv:\n  options:\n    bev_size: 128\n")
+    assert sorted(_restated(bad, tmp_path)) == ["experiment/x.yaml: env.options.bev_size=128",
+                                                "experiment/x.yaml: ppo.gamma=0.99"]
+
+
+def test_env_options_are_typed_per_backend() -> None:
+    cfg = load_config(["+experiment=quick", "env.options.map=Town01"])  # no '+': the key is in SimConfig
+    assert cfg.env.options["map"] == "Town01" and cfg.env.options["bev_size"] == 64
+    carla = load_config(["env=carla", "env.options.town=Town02", "env.options.base_port=3000"])
+    assert (carla.env.name, carla.env.options["town"], carla.env.options["base_port"]) == ("carla", "Town02", 3000)
+    with pytest.raises(ConfigError, match=r"unknown key env\.options\.mapp='Town01'; did you mean env\.options\.map\?"):
+        load_config(["env.options.mapp=Town01"])
+    with pytest.raises(ConfigError, match=r"unknown key env\.options\.twn='Town02'; did you mean env\.options\.town\?"):
+        load_config(["env=carla", "env.options.twn=Town02"])
+    with pytest.raises(ConfigError, match=r"env\.options\.bev_size='big' must be an integer"):
+        load_config(["env.options.bev_size=big"])
+    with pytest.raises(ConfigError, match=r"drop the '\+'"):
+        load_config(["+env.options.map=Town01"])
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    """Unknown keys, wrong types and bad ranges of one command line, all in one error."""
+    with pytest.raises(ConfigError) as err:
+        load_config(["env.options.mapp=Town01", "ppo.learnign_rate=1", "ppo.clip_coef=abc", "env.num_envs=1.5",
+                     "ppo.minibatch_size=1000", "ppo.gamma=3", "env.options.bev_size=4", "env.options.rules=lb"])
+    text = str(err.value)
+    expected = ("unknown key env.options.mapp='Town01'; did you mean env.options.map?",
+                "unknown key ppo.learnign_rate=1; did you mean ppo.learning_rate?",
+                "ppo.clip_coef='abc' must be a number", "env.num_envs=1.5 must be an integer",
+                "ppo.minibatch_size=1000 must divide", "ppo.gamma=3.0 must be in [0, 1]",
+                "env.options.bev_size=4: must be in [8, 1024]", "env.options.rules='lb': use 'carl'")
+    for line in expected:
+        assert line in text, text
+    assert text.startswith(f"{len(err.value.problems)} problems:") and len(err.value.problems) >= len(expected)
+
+
+def test_the_cli_prints_the_typed_config() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "carl.train", "+experiment=quick", "env.options.map=Town01", "--cfg"],
+                         capture_output=True, text=True, timeout=120, cwd=CONF.parent)
+    assert out.returncode == 0, out.stderr
+    printed = OmegaConf.create(out.stdout)
+    assert printed.env.options.map == "Town01" and printed.env.num_envs == 32

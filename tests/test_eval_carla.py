@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.carla.testing import standin_executable
 from envs.maps.opendrive import default_maps_dir
+from tests.support.processes import standin_executable
 
 MAPS = default_maps_dir()
 TOWN01 = MAPS / "Town01.xodr" if MAPS else None
@@ -34,7 +34,7 @@ def _route_file(path: Path) -> Path:
 
 def test_longest6_carla_expert_two_servers_at_a_time(tmp_path: Path) -> None:
     out, logs = tmp_path / "eval", tmp_path / "logs"
-    cmd = [sys.executable, "-m", "carl.evaluate", "policy=expert", "benchmark=longest6_carla",
+    cmd = [sys.executable, "-m", "carl.eval", "policy=expert", "benchmark=longest6_carla",
            f"benchmark.route_file={_route_file(tmp_path / 'routes.xml')}", "benchmark.parallel_routes=2",
            f"benchmark.options.executable={standin_executable(tmp_path, TOWN01)}", "benchmark.options.base_port=24700",
            f"benchmark.options.log_dir={logs}", "benchmark.options.traffic_vehicles=0",

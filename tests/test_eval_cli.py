@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from carl.evaluate import EvalError, compose, main, run
+from carl.eval import EvalError
+from carl.eval.cli import load, main, run
 
 # 2 short procedural routes, driven for at most 12 s (routes still running then are reported as they stand)
 SHORT = ["benchmark=towns", "benchmark.num_routes=2", "+benchmark.options.route_length=[15,25]",
@@ -16,7 +17,7 @@ SHORT = ["benchmark=towns", "benchmark.num_routes=2", "+benchmark.options.route_
 
 def evaluate(out: Path, *extra: str) -> tuple[dict, list[str]]:
     lines: list[str] = []
-    summary = run(compose("eval", [*SHORT, f"out_dir={out}", *extra]), log=lines.append)
+    summary = run(load([*SHORT, f"out_dir={out}", *extra]), log=lines.append)
     return summary, lines
 
 
@@ -74,10 +75,10 @@ def test_benchmarks_without_routes(tmp_path: Path, capsys: pytest.CaptureFixture
     town01.write_text('<routes><route id="0" town="Town01"><waypoints><position x="1" y="2" z="0"/>'
                       '<position x="50" y="2" z="0"/></waypoints></route></routes>')
     with pytest.raises(EvalError, match=r"towns \['Town99'\] have no routes"):
-        run(compose("eval", ["benchmark=longest6", f"benchmark.route_file={town01}", "benchmark.towns=[Town99]",
+        run(load(["benchmark=longest6", f"benchmark.route_file={town01}", "benchmark.towns=[Town99]",
                              f"out_dir={tmp_path / 'b'}"]))
     with pytest.raises(EvalError, match="val14.*none of the 1118 scenario tokens"):
-        run(compose("eval", ["benchmark=val14", f"out_dir={tmp_path / 'c'}"]))
+        run(load(["benchmark=val14", f"out_dir={tmp_path / 'c'}"]))
     empty = tmp_path / "empty.xml"
     empty.write_text("<routes></routes>")
     with pytest.raises(SystemExit) as exc:  # the CLI: exit code 2 and a message naming the file
@@ -117,5 +118,5 @@ def test_routes_still_running_at_max_steps_are_reported(tmp_path: Path) -> None:
 
 def test_leaderboard_rules_are_the_default_and_carl_rules_an_option() -> None:
     for bench in ("towns", "longest6", "longest6_carla"):
-        assert compose("eval", [f"benchmark={bench}"])["benchmark"]["options"]["rules"] == "leaderboard"
-    assert compose("eval", ["benchmark.options.rules=carl"])["benchmark"]["options"]["rules"] == "carl"
+        assert load([f"benchmark={bench}"])["benchmark"]["options"]["rules"] == "leaderboard"
+    assert load(["benchmark.options.rules=carl"])["benchmark"]["options"]["rules"] == "carl"

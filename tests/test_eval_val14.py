@@ -5,7 +5,8 @@ import json
 import pytest
 import yaml
 
-from carl.evaluate import EvalError, compose, expand_shortcuts, run
+from carl.eval import EvalError
+from carl.eval.cli import expand_shortcuts, load, run
 from test_export import tiny_checkpoint  # one tiny trainer checkpoint for every test
 
 pytestmark = pytest.mark.nuplan
@@ -25,7 +26,7 @@ def dataset(tmp_path_factory):
 
 def cfg_for(dataset, tmp_path, *extra):
     root, split, _ = dataset
-    return compose("eval", expand_shortcuts([
+    return load(expand_shortcuts([
         "benchmark=val14", "env=nuplan", f"data_root={root}", f"cache_dir={tmp_path / 'cache'}",
         f"benchmark.options.split_yaml={split}", "policy=expert", "worst_videos=0", *extra]))
 

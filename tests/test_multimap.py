@@ -15,7 +15,7 @@ from envs.maps.procedural import ProceduralConfig, generate_world
 from envs.maps.raster import compile_raster
 from envs.routes import RouteError, random_routes
 from envs.sim.agents import LEADERBOARD_VEHICLES, vehicles_per_map
-from envs.sim.config import ConfigError
+from envs.config import ConfigError
 from envs.sim.env import bev_reach_m
 from envs.sim.world import lane_lookup
 
@@ -134,7 +134,7 @@ def test_map_weights_set_how_often_each_map_is_driven() -> None:
     p_route = torch.diff(w.route_cdf, prepend=torch.zeros(1))
     p_map = torch.zeros(3).index_add_(0, w.route_map, p_route)
     torch.testing.assert_close(p_map, torch.tensor([0.25, 0.0, 0.75]), atol=1e-5, rtol=0)
-    picks = env._pick_routes(torch.arange(8000) % 8)
+    picks = env.starts.pick(torch.arange(8000) % 8)
     counts = torch.bincount(w.route_map[picks], minlength=3).float()
     assert counts[1] == 0
     assert 2.7 < counts[2] / counts[0] < 3.3
@@ -147,14 +147,14 @@ def test_eval_split_covers_every_map_first() -> None:
 
 
 @pytest.mark.parametrize("opts, err, match", [
-    (dict(maps=("procedural", "Town99")), MapError, r"env\.maps\[1\]='Town99': unknown town 'Town99'.*available: Town01"),
-    (dict(map_weights=(1.0, 2.0)), ConfigError, r"env\.map_weights=\(1\.0, 2\.0\): give one weight per map"),
-    (dict(map_weights=(1.0, -1.0, 1.0)), ConfigError, r"env\.map_weights.*>= 0"),
-    (dict(map_weights=(0.0, 0.0, 0.0)), ConfigError, r"env\.map_weights.*positive sum"),
-    (dict(maps=("procedural", "procedural")), ConfigError, r"env\.maps=.*name each map once"),
+    (dict(maps=("procedural", "Town99")), MapError, r"env\.options\.maps\[1\]='Town99': unknown town 'Town99'.*available: Town01"),
+    (dict(map_weights=(1.0, 2.0)), ConfigError, r"env\.options\.map_weights=\(1\.0, 2\.0\): give one weight per map"),
+    (dict(map_weights=(1.0, -1.0, 1.0)), ConfigError, r"env\.options\.map_weights.*>= 0"),
+    (dict(map_weights=(0.0, 0.0, 0.0)), ConfigError, r"env\.options\.map_weights.*positive sum"),
+    (dict(maps=("procedural", "procedural")), ConfigError, r"env\.options\.maps=.*name each map once"),
     (dict(maps=("procedural", "DEAD_END"), route_length=(100.0, 200.0)), RouteError,
-     r"env\.maps\[1\]=.*dead_end.npz': random routes on map 'dead_end'.* routes of 100-200 m.*Fix: shorter routes"),
-    (dict(traffic_density="dense"), ConfigError, r"env\.traffic_density='dense'.*'fixed'.*'leaderboard'"),
+     r"env\.options\.maps\[1\]=.*dead_end.npz': random routes on map 'dead_end'.* routes of 100-200 m.*Fix: shorter routes"),
+    (dict(traffic_density="dense"), ConfigError, r"env\.options\.traffic_density='dense'.*'fixed'.*'leaderboard'"),
 ])
 def test_bad_map_lists_name_the_key_and_the_fix(opts, err, match, tmp_path) -> None:
     if "DEAD_END" in opts.get("maps", ()):  # one 50 m lane that leads nowhere: no route of 100 m exists

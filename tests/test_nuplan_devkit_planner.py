@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from envs.nuplan import devkit_planner as dp
-from envs.nuplan.env import MAX_ACCEL
+from carl.deploy import nuplan_planner as dp
+from envs.nuplan.dynamics import MAX_ACCEL
 
 pytestmark = pytest.mark.nuplan
 

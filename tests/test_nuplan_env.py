@@ -9,7 +9,7 @@ import torch
 
 from envs.nuplan.env import EGO_HALF, NuplanEnv, make_nuplan_env
 from envs.nuplan.synthetic import make_synthetic_dataset
-from envs.sim.config import ConfigError
+from envs.config import ConfigError
 
 pytestmark = pytest.mark.nuplan
 REPO = Path(__file__).resolve().parent.parent
@@ -48,19 +48,19 @@ def test_bicycle_model_and_action_mapping(data):
     s.ego_accel[:] = 0.0
     s.ego_steer[:] = 0.0
     y0, xy0 = s.ego_yaw.clone(), s.ego_xy.clone()
-    env._move_ego(s, torch.tensor([[0.0, 1.0]] * 3))
+    env.ego.step(s, torch.tensor([[0.0, 1.0]] * 3))
     # first-order lag: a = 0 + 0.1 / 0.3 * 2.4; straight ahead by v * dt
     assert torch.allclose(s.ego_accel, torch.full((3,), 0.8))
     assert torch.allclose(s.ego_speed, torch.full((3,), 5.08))
     assert torch.allclose((s.ego_xy - xy0).norm(dim=-1), torch.full((3,), 0.5), atol=1e-5)
-    env._move_ego(s, torch.tensor([[1.0, -1.0]] * 3))
+    env.ego.step(s, torch.tensor([[1.0, -1.0]] * 3))
     # steering lag 0.05 s: δ = 0 + 0.1/0.15 * 0.8378 (first step turns nothing, heading uses the old angle)
     assert torch.allclose(s.ego_steer, torch.full((3,), 0.1 / 0.15 * 0.83775804), atol=1e-5)
     assert torch.allclose(s.ego_yaw, y0, atol=1e-6)
     # reverse guard: from standstill a brake command does not drive backwards
     s.ego_speed[:] = 0.0
     s.ego_accel[:] = 0.0
-    env._move_ego(s, torch.tensor([[0.0, -1.0]] * 3))
+    env.ego.step(s, torch.tensor([[0.0, -1.0]] * 3))
     assert (s.ego_speed >= 0).all()
     assert env.ego_half[0].tolist() == pytest.approx(list(EGO_HALF))
 

@@ -71,7 +71,7 @@ def test_brake_light_box_over_the_vehicle_and_speed_value_elsewhere():
 def test_simulator_vehicles_light_brakes_when_decelerating():
     env = make_env("sim", 16, "cpu", 0, **{**SMALL, "bev": False, "num_vehicles": 12})
     env.reset()
-    env._refresh_actors = lambda s: None  # no respawns: every speed change below is IDM's
+    env.actors.refresh = lambda s: None  # no respawns: every speed change below is IDM's
     checked = 0
     for _ in range(80):
         before = env.state.veh.speed.clone()

@@ -15,7 +15,7 @@ from carl.parallel.launch import check_world
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
-    "env.name=tests.fake_env:make_fake_env", "env.num_envs=2", "env.options.bev_size=24",
+    "env=custom", "env.name=tests.fake_env:make_fake_env", "env.num_envs=2", "++env.options.bev_size=24",
     "++env.options.bev_channels=3", "++env.options.episode_length=8", "ppo.num_steps=8", "ppo.minibatch_size=8",
     "ppo.update_epochs=1", "ppo.total_timesteps=64", "logging.eval_episodes=1", "logging.eval_max_steps=20",
     "logging.final_baselines=false", "parallel.torch_threads=1",

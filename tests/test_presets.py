@@ -5,8 +5,9 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from carl.train import compose_config
+from carl.config import compose
 from envs.sim.config import SimConfig
 from envs.sim.raster import BevConfig, world_to_bev
 
@@ -26,7 +27,7 @@ def documented() -> dict[str, tuple[float, ...]]:
 
 
 def composed_geometry(preset: str) -> tuple[int, float, int]:
-    cfg = compose_config([] if preset == "(none)" else [f"+experiment={preset}"])
+    cfg = OmegaConf.to_container(compose([] if preset == "(none)" else [f"+experiment={preset}"]))
     options = cfg["env"]["options"]
     if "sim" in options:  # nuPlan: SimConfig overrides
         options = options["sim"]
@@ -63,15 +64,15 @@ def test_carla_presets_use_carls_geometry():
 
 def test_carl_sim_is_carls_recipe():
     """CaRL: 65,536 samples per update (8 ranks here), minibatch 16,384, 3 epochs, 300M samples."""
-    cfg = compose_config(["+experiment=carl_sim"])
+    cfg = OmegaConf.to_container(compose(["+experiment=carl_sim"]))
     assert cfg["env"]["num_envs"] * cfg["ppo"]["num_steps"] * 8 == 65_536
     assert (cfg["ppo"]["minibatch_size"], cfg["ppo"]["update_epochs"], cfg["ppo"]["total_timesteps"]) == (
         16_384, 3, 300_000_000)
-    one_gpu = compose_config(["+experiment=carl_sim", "env.num_envs=1024"])
+    one_gpu = OmegaConf.to_container(compose(["+experiment=carl_sim", "env.num_envs=1024"]))
     assert one_gpu["env"]["num_envs"] * one_gpu["ppo"]["num_steps"] == 65_536
 
 
 def test_towns_preset_trains_on_longest6_towns_without_its_routes():
-    opts = compose_config(["+experiment=towns"])["env"]["options"]
+    opts = OmegaConf.to_container(compose(["+experiment=towns"]))["env"]["options"]
     assert list(opts["maps"]) == [f"Town0{i}" for i in range(1, 7)]
     assert not opts.get("route_file")  # random routes only; the benchmark's routes are never trained on

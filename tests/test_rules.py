@@ -22,8 +22,8 @@ def frozen_env(rules: str = "leaderboard", **kw) -> SimEnv:
     env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": rules, "num_vehicles": 2, "num_pedestrians": 2,
                                           "num_statics": 2, **kw})
     env.reset()
-    env._move_actors = lambda s: None
-    env._refresh_actors = lambda s: None
+    env.actors.step = lambda s: None
+    env.actors.refresh = lambda s: None
     for group in (env.state.veh, env.state.ped, env.state.statics):
         group.valid[:] = False
     return env
@@ -72,7 +72,7 @@ def drive_through_control(control: int, red: bool, steps: int = 600, **options) 
     env = make_env("sim", 1, "cpu", 0, **options, first_route=route)
     env.reset()
     if red:
-        env._lights = lambda s, group: (torch.where(group >= 0, 2, 0), torch.zeros_like(group, dtype=torch.float))
+        env.lights.state = lambda s, group: (torch.where(group >= 0, 2, 0), torch.zeros_like(group, dtype=torch.float))
     expert = Expert(env)
     key = f"episode/infractions/{'red_light' if control == 1 else 'stop_sign'}"
     for _ in range(steps):
@@ -130,7 +130,8 @@ def test_collision_merging_by_place_and_actor():
 
 
 def test_mean_of_route_scores_is_not_the_product_of_means():
-    from carl.evaluate import make_record, summarize
+    from carl.eval.store import summarize
+    from envs.metrics.leaderboard import make_record
 
     def ep(rc, score):
         return {"episode/route_completion": rc, "episode/infraction_score": score, "episode/length": 10.0,
@@ -170,7 +171,7 @@ def test_route_timeout_ends_a_creeping_route():
         state.ego_yaw = torch.atan2(d[:, 1], d[:, 0])
         state.ego_speed = torch.full_like(state.ego_speed, v)
 
-    env._move_ego = creep
+    env.ego.step = creep
     expected = 300.0 / (1.0 - v / (0.1 * limit))  # 400 s
     assert expected < float(w.route_len[s.route_id[0]]) / v  # it times out before it arrives
     for _ in range(int(expected) + 20):

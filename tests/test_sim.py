@@ -6,7 +6,8 @@ import torch
 
 from envs import make_env
 from envs.maps.lanegraph import MapError
-from envs.sim.config import ConfigError, SimConfig
+from envs.config import ConfigError
+from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
 from envs.sim.expert import Expert
 

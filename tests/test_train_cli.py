@@ -13,10 +13,11 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
+    "env=custom",  # free options: ++ adds them
     "env.name=tests.fake_env:make_fake_env",
     "env.num_envs=2",
-    "env.options.bev_size=24",
-    "++env.options.bev_channels=3",  # ++ adds keys the sim's options do not have
+    "++env.options.bev_size=24",
+    "++env.options.bev_channels=3",
     "++env.options.episode_length=8",
     "ppo.num_steps=8",
     "ppo.minibatch_size=8",

@@ -33,7 +33,7 @@ class SyncMethod:
 
     name = "none"
 
-    def __init__(self, policy: nn.Module, ctx: DistContext) -> None:
+    def __init__(self, policy: nn.Module, ctx: DistContext | None = None) -> None:
         self.policy, self.ctx = policy, ctx
         self.actor: nn.Module = PolicyActor(policy)
         self.stats = SyncStats()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from carl.config import ParallelConfig
+from carl.config import SYNC_METHODS, ParallelConfig
 from carl.parallel.base import SyncMethod
 from carl.parallel.context import DistContext
 from carl.parallel.hooks import CastSync, DDPSync, PowerSGDSync
@@ -28,7 +28,7 @@ from carl.parallel.localsgd import LocalSGDSync
 from carl.parallel.lowrank import LowRankReducer
 from carl.parallel.topk import TopKReducer
 
-SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
+__all__ = ["SYNC_METHODS", "make_sync"]
 
 
 def make_sync(policy: nn.Module, ctx: DistContext, par: ParallelConfig) -> SyncMethod:

@@ -14,15 +14,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from carl.config import PPOConfig
-from carl.logging import EpisodeStats, PhaseTimer
+from carl.monitor import EpisodeStats, PhaseTimer
 from carl.policy import CarlPolicy, beta_kl
 from carl.ppo.loss import normalize_advantages, ppo_loss
 from carl.ppo.storage import RolloutStorage
 from envs.api import BatchedEnv
 
-if TYPE_CHECKING:
-    from carl.parallel import DistContext, SyncMethod
+from carl.parallel.base import SyncMethod
 
+if TYPE_CHECKING:
+    from carl.parallel import DistContext
+
+# the ``losses/...`` statistics of an update: means over its minibatches
+LOSS_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl", "grad_norm")
 FrameHook = Callable[[dict[str, torch.Tensor], torch.Tensor], None]  # (obs, done) after each env step
 
 
@@ -40,9 +44,11 @@ class PPOTrainer:
         ctx: DistContext | None = None,
     ) -> None:
         """With ``sync``/``ctx`` (torchrun), each rank takes ``minibatch_size / world_size`` of every global
-        minibatch, advantages are normalised with global statistics and gradients go through ``sync``."""
+        minibatch, advantages are normalised with global statistics and gradients go through ``sync``; without
+        them the no-op :class:`SyncMethod` stands in (one process)."""
         self.policy, self.env, self.cfg = policy, env, cfg
-        self.sync, self.world_size = sync, ctx.world_size if ctx is not None else 1
+        self.sync = sync if sync is not None else SyncMethod(policy, ctx)
+        self.world_size = ctx.world_size if ctx is not None else 1
         self.normalize_advantages = ctx.normalize_advantages if ctx is not None else normalize_advantages
         self.device = env.device
         self.timer = timer or PhaseTimer()
@@ -119,8 +125,8 @@ class PPOTrainer:
         cfg = self.cfg
         n = batch["actions"].shape[0]
         mb, k = cfg.minibatch_size // self.world_size, cfg.accumulation_steps  # this rank's share
-        names = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl", "grad_norm")
-        sums = torch.zeros(len(names), device=self.device)  # summed on the device: one host sync per update
+        # summed on the device: one host sync per update
+        sums = {name: torch.zeros((), device=self.device) for name in LOSS_STATS}
         steps = 0
         self.policy.train()
         for _epoch in range(cfg.update_epochs):
@@ -134,13 +140,10 @@ class PPOTrainer:
                 for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
                     obs = {key: v[micro] for key, v in batch["obs"].items()}
-                    local_only = self.sync.no_sync() if self.sync is not None and i < k - 1 else nullcontext()
+                    local_only = self.sync.no_sync() if i < k - 1 else nullcontext()
                     with local_only:  # gradients are synchronised on the last micro-batch's backward
                         with self.autocast():
-                            if self.sync is None:
-                                out = self.policy.act(obs, action=batch["actions"][micro])
-                            else:
-                                out = self.sync.act(obs, batch["actions"][micro])
+                            out = self.sync.act(obs, batch["actions"][micro])
                         terms = ppo_loss(
                             out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
                             batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
@@ -149,15 +152,15 @@ class PPOTrainer:
                         (terms.loss * weight).backward()
                     with torch.no_grad():
                         kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
-                        sums[:6] += weight * torch.stack([
-                            terms.policy_loss.detach(), terms.value_loss.detach(), terms.entropy.detach(), kl,
-                            terms.clip_frac.detach(), terms.old_approx_kl.detach()]).float()
+                        for name, value in (("policy_loss", terms.policy_loss), ("value_loss", terms.value_loss),
+                                            ("entropy", terms.entropy), ("approx_kl", kl),
+                                            ("clipfrac", terms.clip_frac), ("old_approx_kl", terms.old_approx_kl)):
+                            sums[name] += weight * value.detach().float()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
-                if self.sync is not None:
-                    self.sync.after_step()
-                sums[6] += grad_norm.detach().float()
+                self.sync.after_step()
+                sums["grad_norm"] += grad_norm.detach().float()
                 steps += 1
-        if self.sync is not None:
-            self.sync.flush()
-        return {f"losses/{name}": v / steps for name, v in zip(names, sums.tolist())}
+        self.sync.flush()
+        totals = torch.stack(list(sums.values())).tolist()
+        return {f"losses/{name}": v / steps for name, v in zip(sums, totals)}

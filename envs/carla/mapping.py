@@ -16,15 +16,15 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from envs.maps.lanegraph import LaneGraph, MapError
+from envs.maps.lanegraph import LaneGraph
 from envs.maps.opendrive import carla_to_world, carla_yaw_to_world, load_town
-from envs.routes import parse_leaderboard_xml, plan_route, random_routes
+from envs.routes import parse_leaderboard_xml
 from envs.sim.agents import (LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER, PEDESTRIAN_HALF,
                               Pedestrians, Vehicles)
 from envs.sim.config import SimConfig
+from envs.sim.env import map_routes
 from envs.sim.world import World, build_world
 
-EVAL_ROUTE_SEED = 7919  # the built-in simulator's seed for the held-out random route bank
 # carla.VehicleLightState bits (0.9.16) that CaRL's BEV draws
 CARLA_LIGHT_BRAKE, CARLA_LIGHT_RIGHT_BLINKER, CARLA_LIGHT_LEFT_BLINKER = 8, 16, 32
 CARLA_LIGHT_SPECIAL1, CARLA_LIGHT_SPECIAL2 = 512, 1024  # sirens / beacons of special vehicles
@@ -73,26 +73,13 @@ def graph_from_xodr(xodr: str, town: str, cache_dir: str | Path | None = None) -
         return load_town(town, maps_dir=d, cache_dir=cache_dir)
 
 
-def town_routes(graph: LaneGraph, town: str, cfg: SimConfig, route_seed: int = 0) -> list:
-    """The route bank for ``town``: the route file's routes on it, else the simulator's random routes."""
-    if cfg.route_file:
-        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
-                  if t == town]
-        if not routes:
-            raise MapError(f"route file {cfg.route_file} has no routes for town '{town}'; set env.options.town to a "
-                           "town it uses")
-        return routes
-    seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
-    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed)
-
-
 def route_towns(route_file: str) -> list[str]:
     """Towns a Leaderboard route file uses, in first-appearance order."""
     return list(dict.fromkeys(t for _, t, _ in parse_leaderboard_xml(route_file)))
 
 
 def build_carla_world(graph: LaneGraph, town: str, cfg: SimConfig, device: torch.device) -> World:
-    return build_world(graph, town_routes(graph, town, cfg), cfg, device)
+    return build_world(graph, map_routes(graph, town, cfg, key="env.options.town", noun="town"), cfg, device)
 
 
 def ego_frame_velocity(vx: float, vy: float, yaw_deg: float) -> np.ndarray:
@@ -147,30 +134,28 @@ class Reading:
         return Reading(pad(self.xy), pad(self.yaw), pad(self.speed), pad(self.half), pad(self.lights)), valid
 
 
+def _nearest_rows(reading: Reading, ego_xy: torch.Tensor, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The ``n`` actors of ``reading`` nearest the ego as batch-of-one tensors ([1, n]), with their validity."""
+    r, valid = reading.nearest(ego_xy[0].cpu().numpy(), n)
+    rows = {k: torch.as_tensor(getattr(r, k), device=device).unsqueeze(0) for k in ("xy", "yaw", "speed", "half")}
+    rows["lights"] = torch.as_tensor(r.lights, dtype=torch.int32, device=device).unsqueeze(0)
+    rows["valid"] = torch.as_tensor(valid, device=device).unsqueeze(0)
+    return rows
+
+
 def fill_vehicles(veh: Vehicles, reading: Reading, ego_xy: torch.Tensor) -> None:
     """Write the nearest vehicles of ``reading`` into the batch-of-one tensors ``veh`` ([1, N])."""
-    n = veh.xy.shape[1]
-    r, valid = reading.nearest(ego_xy[0].cpu().numpy(), n)
-    dev = veh.xy.device
-    veh.xy = torch.as_tensor(r.xy, device=dev).unsqueeze(0)
-    veh.yaw = torch.as_tensor(r.yaw, device=dev).unsqueeze(0)
-    veh.speed = torch.as_tensor(r.speed, device=dev).unsqueeze(0)
-    veh.half = torch.as_tensor(r.half, device=dev).unsqueeze(0)
-    veh.valid = torch.as_tensor(valid, device=dev).unsqueeze(0)
-    veh.lights = torch.as_tensor(r.lights, dtype=torch.int32, device=dev).unsqueeze(0)
+    rows = _nearest_rows(reading, ego_xy, veh.xy.shape[1], veh.xy.device)
+    veh.xy, veh.yaw, veh.speed, veh.half = rows["xy"], rows["yaw"], rows["speed"], rows["half"]
+    veh.valid, veh.lights = rows["valid"], rows["lights"]
 
 
 def fill_pedestrians(ped: Pedestrians, reading: Reading, ego_xy: torch.Tensor, moving_speed: float = 0.1) -> None:
     """Write the nearest walkers of ``reading`` into ``ped`` ([1, P]); ``moving`` = faster than ``moving_speed``."""
-    n = ped.xy.shape[1]
-    r, valid = reading.nearest(ego_xy[0].cpu().numpy(), n)
-    dev = ped.xy.device
-    ped.xy = torch.as_tensor(r.xy, device=dev).unsqueeze(0)
-    ped.yaw = torch.as_tensor(r.yaw, device=dev).unsqueeze(0)
-    ped.speed = torch.as_tensor(r.speed, device=dev).unsqueeze(0)
+    rows = _nearest_rows(reading, ego_xy, ped.xy.shape[1], ped.xy.device)
+    ped.xy, ped.yaw, ped.speed, ped.valid = rows["xy"], rows["yaw"], rows["speed"], rows["valid"]
     ped.moving = ped.speed > moving_speed
-    ped.valid = torch.as_tensor(valid, device=dev).unsqueeze(0)
 
 
 __all__ = ["PEDESTRIAN_HALF", "Reading", "build_carla_world", "fill_pedestrians", "fill_vehicles", "graph_from_xodr",
-           "ego_frame_velocity", "is_emergency", "lights_from_carla", "route_towns", "town_routes", "vehicle_lights"]
+           "ego_frame_velocity", "is_emergency", "lights_from_carla", "route_towns", "vehicle_lights"]

@@ -16,6 +16,9 @@ reconnects after a restart.
 
 Errors are :class:`ServerError` with the cause and the fix (missing ``CARLA_ROOT``, a server that never becomes
 ready -- with the tail of its log --, a version mismatch, no free ports).
+
+One file, on purpose: port blocks, launch lines, probes and process-group kills are the lifetime of one server
+process and share its rules (who owns a group, when it counts as dead); :class:`CarlaServer` uses all of them.
 """
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ from torch import Tensor
 from envs.api import BatchedEnv, StepResult, TensorSpec
 from envs.carla.servers import (CarlaServer, PortAllocator, PortBlock, kill_group, read_pid_file, resolve_executable,
                                 track, untrack)
-from envs.carla.worker import CarlaConfig, CarlaError, split_options
+from envs.carla.config import CarlaConfig, split_options
+from envs.carla.worker import CarlaError
 from envs.sim.config import SimConfig
 
 log = logging.getLogger(__name__)

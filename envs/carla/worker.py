@@ -1,28 +1,25 @@
-"""One environment on one CARLA server, through the real ``carla`` client: a :class:`~envs.sim.env.SimEnv` subclass.
+"""One environment on one CARLA server, through the real ``carla`` client: the simulator core with CARLA's parts.
 
 The worker converts CARLA's world into the simulator's batched state (batch of one), so observations, infractions
-and the reward are the built-in simulator's code. It overrides only what moves the world:
+and the reward are the built-in simulator's code (:class:`~envs.sim.env.SimEnv`). It owns the connection (client,
+world, Traffic Manager, restarts) and assembles the core from parts (:mod:`envs.sim.parts`) that act through it:
 
-* ``_initial_state`` -- spawn the ego at the route start, background vehicles on the Traffic Manager and
-  pedestrians, tick once and read the actors back;
-* ``_move_ego`` -- ``carla.VehicleControl(throttle, steer, brake)`` from the action (our steer is positive to the
-  left, CARLA's to the right, so the sign flips);
-* ``_move_actors`` -- one synchronous ``world.tick()`` (``dt`` = 0.1 s) and a read of ego pose/speed and all
-  vehicles and walkers, and of the vehicles' light states (one ``get_vehicles_light_states`` RPC per tick);
-* ``_observe`` -- re-applies the last CARLA reading first (the simulator's periodic respawn of far vehicles would
-  otherwise move actors that CARLA owns).
-
-Crash handling: if the server dies or the client times out during a step, the episode is truncated
-(``info["carla/crash"]``), the server is restarted through :class:`envs.carla.servers.CarlaServer` (or, for an
-external server, waited for), a new client is created (old clients never reconnect), the restart is counted
-(``info["carla/restarts"]``) and the next episode starts. A failure while starting an episode is retried the same
-way. Traffic lights: ``_lights`` reports the colours of CARLA's traffic-light actors, matched to the map's light groups
-by their trigger volumes (``carla_lights``; see ``docs/carla.md``).
+* :class:`CarlaControl` (ego dynamics) -- ``carla.VehicleControl(throttle, steer, brake)`` from the action (our
+  steer is positive to the left, CARLA's to the right, so the sign flips); CARLA's physics moves the ego;
+* :class:`CarlaActors` (actors) -- spawns the ego at the route start, background vehicles on the Traffic Manager and
+  pedestrians; per step one synchronous ``world.tick()`` (``dt`` = 0.1 s) and a read of ego pose/speed and all
+  vehicles and walkers, of the vehicles' light states (one ``get_vehicles_light_states`` RPC per tick) and of the
+  traffic lights; the last reading is re-applied before each observation;
+* :class:`CarlaLightSource` (lights) -- the colours of CARLA's traffic-light actors, matched to the map's light
+  groups by their trigger volumes (:class:`CarlaLights`; see ``docs/carla.md``);
+* :class:`CrashRecovery` (step hook) -- if the server dies or the client times out during a step, the episode is
+  truncated (``info["carla/crash"]``), the server is restarted through :class:`envs.carla.servers.CarlaServer` (or,
+  for an external server, waited for), a new client is created (old clients never reconnect), the restart is
+  counted (``info["carla/restarts"]``) and the next episode starts. A failure while starting an episode is retried
+  the same way.
 """
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 import math
 import time
@@ -33,13 +30,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from envs.api import StepResult
+from envs.carla.config import CarlaConfig
 from envs.carla.mapping import (Reading, build_carla_world, ego_frame_velocity, fill_pedestrians, fill_vehicles,
                                 graph_from_xodr, is_emergency, route_towns, vehicle_lights)
 from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
 from envs.maps.opendrive import carla_to_world, world_to_carla, world_yaw_to_carla
-from envs.sim.config import ConfigError, SimConfig, from_dict
+from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv, SimState
+from envs.sim.parts import ActorSource, EgoDynamics, LightCycle, SimTraffic, StepHook
 
 log = logging.getLogger(__name__)
 
@@ -48,76 +46,8 @@ LIGHT_MATCH_M = 15.0  # a stop line takes the CARLA light whose trigger volume c
 CARLA_LIGHT_STATE = {0: 2, 1: 1, 2: 0}  # carla.TrafficLightState Red/Yellow/Green -> ours; Off/Unknown -> green
 
 
-def _all_rows(device: torch.device) -> tuple[Tensor, ...]:
-    """Arguments for ``SimEnv._initial_state`` selecting the worker's single row (the hook takes rows, or nothing
-    in older versions of the simulator)."""
-    takes_rows = len(inspect.signature(SimEnv._initial_state).parameters) > 1
-    return (torch.arange(1, device=device),) if takes_rows else ()
-
-
 class CarlaError(RuntimeError):
     """A CARLA setup problem the worker cannot recover from (wrong town, version mismatch, restart budget spent)."""
-
-
-@dataclass
-class CarlaConfig:
-    """CARLA-specific options of ``env=carla`` (the remaining options configure the shared :class:`SimConfig`)."""
-
-    town: str = "Town01"
-    host: str = "127.0.0.1"
-    base_port: int = 2000  # first RPC port; server i uses the i-th free block of 4 ports (rpc, stream, primary, TM)
-    port_stride: int = 4
-    launch: bool = True  # start and restart servers ourselves; false = connect to servers already running
-    executable: str | None = None  # CarlaUE4.sh; default $CARLA_ROOT/CarlaUE4.sh
-    extra_args: tuple[str, ...] = ()
-    gpus: tuple[int, ...] = ()  # Vulkan adapter indices, assigned round-robin; () = let CARLA choose
-    no_rendering: bool = True  # -nullrhi: BEV training needs no rendering
-    traffic_vehicles: int = 20  # background vehicles spawned on the Traffic Manager
-    traffic_pedestrians: int = 10
-    walker_ai: bool = True  # walkers driven by CARLA's AI controllers (needs the server's navigation mesh)
-    client_timeout: float = 10.0  # seconds a client call (tick) may take before the server counts as dead
-    ready_timeout: float = 180.0  # seconds a (re)started server has to answer
-    max_restarts: int = 1000  # per worker
-    check_version: bool = True
-    log_dir: str = "carla_logs"
-    start_method: str = "spawn"  # multiprocessing start method of the worker processes
-    carla_lights: bool = True  # light states from CARLA's traffic-light actors; false = the simulator's light cycle
-    vehicle_lights: bool = True  # the Traffic Manager drives background vehicles' brake lights and blinkers
-
-    def validate(self) -> "CarlaConfig":
-        def need(cond: bool, key: str, fix: str) -> None:
-            if not cond:
-                raise ConfigError(f"env.options.{key}={getattr(self, key)!r}: {fix}")
-
-        need(bool(self.town), "town", "name a CARLA town such as Town01")
-        need(1024 <= self.base_port <= 65000, "base_port", "must be in [1024, 65000]")
-        need(self.port_stride >= 4, "port_stride", "must be >= 4 (rpc, streaming, primary, traffic manager)")
-        need(self.traffic_vehicles >= 0 and self.traffic_pedestrians >= 0, "traffic_vehicles", "counts must be >= 0")
-        need(self.client_timeout > 0, "client_timeout", "must be > 0 seconds")
-        need(self.ready_timeout > 0, "ready_timeout", "must be > 0 seconds")
-        need(self.max_restarts >= 0, "max_restarts", "must be >= 0")
-        need(self.start_method in ("spawn", "forkserver", "fork"), "start_method", "use spawn, forkserver or fork")
-        return self
-
-
-def split_options(options: dict[str, Any]) -> tuple[CarlaConfig, SimConfig]:
-    """Split ``env.options`` into CARLA options and simulator options; unknown keys name both sets of valid keys."""
-    names = {f.name for f in dataclasses.fields(CarlaConfig)}
-    carla_opts = {k: v for k, v in options.items() if k in names}
-    sim_opts = {k: v for k, v in options.items() if k not in names}
-    try:
-        ccfg = from_dict(CarlaConfig, carla_opts, "env.options").validate()
-        sim_opts.setdefault("map", ccfg.town)
-        scfg = from_dict(SimConfig, sim_opts, "env.options")
-    except ConfigError as e:
-        if "unknown key" not in str(e):
-            raise
-        sim_names = {f.name for f in dataclasses.fields(SimConfig)}
-        raise ConfigError(f"{e.args[0].split(':')[0]}: unknown key; CARLA keys: {', '.join(sorted(names))}; "
-                          f"simulator keys: {', '.join(sorted(sim_names))}") from e
-    if scfg.map != ccfg.town:
-        raise ConfigError(f"env.options.map={scfg.map!r} differs from town={ccfg.town!r}; set only town")
-    return ccfg, scfg.validate()
 
 
 def _carla() -> Any:
@@ -202,6 +132,19 @@ class CarlaLights:
         return state, yellow
 
 
+class CarlaLightSource(LightCycle):
+    """CARLA's traffic lights as the light source: the colours of the last read of ``carla`` (a :class:`CarlaLights`,
+    set and read by whoever reads the CARLA world); the simulator's cycle model while there is none, with
+    ``carla_lights`` off, or on a server without light actors."""
+
+    def __init__(self, carla: CarlaLights | None = None):
+        self.carla = carla
+
+    def state(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
+        out = self.carla(group) if self.carla is not None else None
+        return out if out is not None else super().state(s, group)
+
+
 @dataclass
 class _Tracked:
     """CARLA actors of the current episode and their bounding-box half extents (ours: length, width)."""
@@ -214,17 +157,259 @@ class _Tracked:
     emergency: dict[int, bool] = field(default_factory=dict)  # vehicles with special_type == "emergency"
 
 
+def actor_half(actor: Any) -> tuple[float, float]:
+    """Half extent (length, width) of a CARLA actor's bounding box."""
+    e = actor.bounding_box.extent
+    return float(e.x), float(e.y)
+
+
+class CarlaControl(EgoDynamics):
+    """CARLA's physics moves the ego: the action becomes the ego actor's ``carla.VehicleControl``; its pose comes back
+    with the world's next tick (:class:`CarlaActors`)."""
+
+    env: CarlaWorker
+
+    def step(self, s: SimState, action: Tensor) -> None:
+        env = self.env
+        steer, throttle, brake = split_action(action[0])
+        s.last_action = torch.tensor([[steer, throttle, brake]], device=env.device)
+        if env.crashed:
+            return
+        try:
+            env.actors.tracked.ego.apply_control(vehicle_control(env.carla, action[0]))
+        except RuntimeError as e:
+            env.mark_crash(e)
+
+
+class CarlaActors(ActorSource):
+    """The CARLA world mirrored into the state: spawns the ego where the episode starts, background vehicles on the
+    Traffic Manager and walkers, and reads back after every tick (the ego's pose, speed and gear too: CARLA moves
+    it)."""
+
+    env: CarlaWorker
+
+    def __init__(self):
+        self.sim = SimTraffic()
+        self.tracked = _Tracked()
+        self.last: tuple[Reading, Reading] = (Reading.empty(), Reading.empty())
+
+    def bind(self, env: CarlaWorker) -> None:
+        super().bind(env)
+        self.sim.bind(env)
+
+    def reset(self, s: SimState, rows: Tensor) -> None:
+        """A fresh episode on the server. The simulator's own draws come first: they give the padded actor tensors
+        (CARLA's actors replace their contents) and keep the random stream the built-in simulator's (with
+        ``carla_lights`` off and no CARLA traffic, an episode's light cycle is the simulator's)."""
+        self.sim.reset(s, rows)
+        s.statics.valid = torch.zeros_like(s.statics.valid)  # CARLA's parked cars are level geometry, not actors
+        while True:
+            try:
+                self._start_episode(s)
+                return
+            except RuntimeError as e:  # a dead or hung server: the client only ever says "time-out"
+                if isinstance(e, CarlaError):
+                    raise
+                self.env.recover(e)
+
+    def step(self, s: SimState) -> None:
+        env = self.env
+        if env.crashed:
+            return
+        try:
+            env.cworld.tick(env.ccfg.client_timeout)
+            self.read(s)
+        except RuntimeError as e:
+            env.mark_crash(e)
+
+    def refresh(self, s: SimState) -> None:
+        """Re-apply the last reading: CARLA owns the actors (the rules may have dropped a hit actor from the state)."""
+        self._apply_last(s)
+
+    def forget(self) -> None:
+        """Drop the actors of a server that is gone (a new client cannot reach them)."""
+        self.tracked = _Tracked()
+
+    def destroy(self) -> None:
+        """Destroy the actors of the current episode (best effort: a dead server cannot)."""
+        t = self.tracked
+        for c in t.controllers:
+            try:
+                c.stop()
+            except RuntimeError:
+                pass
+        for v in t.vehicles:  # unregister from the Traffic Manager first: it must never touch a destroyed actor
+            try:
+                v.set_autopilot(False, self.env.tm_port)
+            except RuntimeError:
+                pass
+        for a in [*t.controllers, *t.walkers, *t.vehicles, *([t.ego] if t.ego is not None else [])]:
+            try:
+                a.destroy()
+            except RuntimeError:
+                pass
+        self.tracked = _Tracked()
+
+    def _transform(self, xy: np.ndarray, yaw: float, lift: float = 0.5) -> Any:
+        carla = self.env.carla
+        x, y = world_to_carla(float(xy[0]), float(xy[1]))
+        wp = self.env.cmap.get_waypoint(carla.Location(x=x, y=y, z=0.0))
+        z = (wp.transform.location.z if wp is not None else 0.0) + lift
+        return carla.Transform(carla.Location(x=x, y=y, z=z), carla.Rotation(yaw=float(world_yaw_to_carla(yaw))))
+
+    def _start_episode(self, s: SimState) -> None:
+        env = self.env
+        c, g, cworld = env.ccfg, env.gen, env.cworld
+        self.destroy()
+        t = self.tracked
+        lib = cworld.get_blueprint_library()
+        bp = lib.find(EGO_BLUEPRINT)
+        bp.set_attribute("role_name", "hero")
+        t.ego = cworld.spawn_actor(bp, self._transform(s.ego_xy[0].cpu().numpy(), float(s.ego_yaw[0])))
+        t.half[t.ego.id] = actor_half(t.ego)
+        ego = s.ego_xy[0].cpu().numpy()
+        if c.traffic_vehicles > 0:
+            vehicle_bps = [b for b in lib.filter("vehicle.*") if b.get_attribute("number_of_wheels").as_int() == 4]
+            for tf in self._vehicle_spawns(ego, c.traffic_vehicles * 2)[: c.traffic_vehicles * 2]:
+                if len(t.vehicles) >= c.traffic_vehicles:
+                    break
+                b = vehicle_bps[int(torch.randint(len(vehicle_bps), (1,), generator=g))]
+                v = cworld.try_spawn_actor(b, tf)
+                if v is not None:
+                    v.set_autopilot(True, env.tm_port)
+                    if c.vehicle_lights:  # brake lights and blinkers, as the leaderboard's background traffic
+                        env.tm.update_vehicle_lights(v, True)
+                    t.vehicles.append(v)
+                    t.half[v.id] = actor_half(v)
+                    t.emergency[v.id] = is_emergency(v)
+        if c.traffic_pedestrians > 0:
+            self._spawn_walkers(ego, c.traffic_pedestrians)
+        cworld.tick()
+        self.read(s)
+
+    def _vehicle_spawns(self, ego: np.ndarray, n: int) -> list[Any]:
+        """Spawn transforms at least 15 m from the ego: the map's recommended points, else random lane points."""
+        env = self.env
+        pts = list(env.cmap.get_spawn_points())
+        if pts:
+            order = torch.randperm(len(pts), generator=env.gen).tolist()
+            return [pts[i] for i in order
+                    if math.hypot(pts[i].location.x - ego[0], -pts[i].location.y - ego[1]) > 15.0][:n]
+        from envs.sim.agents import lane_pose
+        from envs.sim.world import sample_spawn
+
+        lane, s = sample_spawn(env.world, (n,), env.gen, torch.zeros(n, dtype=torch.long, device=env.world.device))
+        xy, yaw = lane_pose(env.world, lane, s)
+        return [self._transform(p, float(a)) for p, a in zip(xy.cpu().numpy(), yaw.cpu().numpy())
+                if np.linalg.norm(p - ego) > 15.0]
+
+    def _spawn_walkers(self, ego: np.ndarray, n: int) -> None:
+        """Walkers at crosswalks near the ego; CARLA's AI controllers walk them when ``walker_ai`` is set."""
+        env, t, w = self.env, self.tracked, self.env.world
+        if w.crosswalks.shape[0] == 0:
+            return
+        centres = w.crosswalks.mean(-2).cpu().numpy()
+        near = np.argsort(np.linalg.norm(centres - ego, axis=-1))[:n]
+        lib = env.cworld.get_blueprint_library()
+        bps = list(lib.filter("walker.pedestrian.*"))
+        for k, i in enumerate(near):
+            b = bps[k % len(bps)]
+            if b.has_attribute("is_invincible"):
+                b.set_attribute("is_invincible", "false")
+            walker = env.cworld.try_spawn_actor(b, self._transform(centres[i], 0.0, lift=1.0))
+            if walker is None:
+                continue
+            t.walkers.append(walker)
+            t.half[walker.id] = actor_half(walker)
+            if env.ccfg.walker_ai:
+                ctrl = env.cworld.spawn_actor(lib.find("controller.ai.walker"), env.carla.Transform(), walker)
+                ctrl.start()
+                ctrl.go_to_location(env.cworld.get_random_location_from_navigation())
+                t.controllers.append(ctrl)
+
+    def read(self, s: SimState) -> None:
+        """Ego pose/speed and all tracked actors from the latest world snapshot (no RPC: the state stream), the
+        vehicles' light states (one RPC for all of them; the snapshot does not carry them) and the traffic lights."""
+        env = self.env
+        snap = env.cworld.get_snapshot()
+        t = self.tracked
+        e = snap.find(t.ego.id)
+        if e is None:
+            raise RuntimeError("time-out: the ego is missing from the world snapshot")
+        ego = Reading.from_carla(*self._arrays([e], [t.ego.id]))
+        s.ego_xy = torch.as_tensor(ego.xy, device=env.device)
+        s.ego_yaw = torch.as_tensor(ego.yaw, device=env.device)
+        s.ego_speed = torch.as_tensor(ego.speed, device=env.device)
+        vel, yaw = e.get_velocity(), e.get_transform().rotation.yaw
+        s.ego_vel_local = torch.as_tensor(ego_frame_velocity(vel.x, vel.y, yaw), device=env.device).unsqueeze(0)
+        s.gear = torch.tensor([float(t.ego.get_control().gear)], device=env.device)  # CARLA's gearbox (state stream)
+        readings = []
+        for group in (t.vehicles, t.walkers):
+            snaps = [(snap.find(a.id), a.id) for a in group]
+            snaps = [(x, i) for x, i in snaps if x is not None]
+            if not snaps:
+                readings.append(Reading.empty())
+                continue
+            ids = [i for _, i in snaps]
+            lights = None
+            if group is t.vehicles:
+                lights = vehicle_lights(env.cworld.get_vehicles_light_states(), ids,
+                                        [t.emergency.get(i, False) for i in ids])
+            readings.append(Reading.from_carla(*self._arrays([x for x, _ in snaps], ids), lights))
+        self.last = (readings[0], readings[1])
+        self._apply_last(s)
+        if env.lights.carla is None:  # CARLA's lights -> light groups, once per connection (new actors, new client)
+            env.lights.carla = CarlaLights(env.world, env.cworld, env.device, env.ccfg.carla_lights,
+                                           f"CARLA port {env.port}")
+        env.lights.carla.read()
+
+    def _arrays(self, snaps: list[Any], ids: list[int]) -> tuple[np.ndarray, ...]:
+        tf = [x.get_transform() for x in snaps]
+        vel = [x.get_velocity() for x in snaps]
+        return (np.array([a.location.x for a in tf]), np.array([a.location.y for a in tf]),
+                np.array([a.rotation.yaw for a in tf]), np.array([v.x for v in vel]), np.array([v.y for v in vel]),
+                np.array([self.tracked.half.get(i, (2.45, 1.05)) for i in ids]).reshape(-1, 2))
+
+    def _apply_last(self, s: SimState) -> None:
+        fill_vehicles(s.veh, self.last[0], s.ego_xy)
+        fill_pedestrians(s.ped, self.last[1], s.ego_xy)
+
+
+class CrashRecovery(StepHook):
+    """A server that died or timed out during the step: its episode is truncated (with no termination reason), the
+    server restarted and reconnected, and the next episode starts there; ``carla/crash`` and ``carla/restarts``
+    report it every step (and per finished episode as ``episode/carla_crash``, ``episode/carla_restarts``)."""
+
+    env: CarlaWorker
+
+    def end_step(self, s: SimState, terminated: Tensor, truncated: Tensor, info: dict[str, Tensor]) -> Tensor:
+        env = self.env
+        crashed = env.crashed
+        if crashed:
+            env.recover(RuntimeError("server died or timed out during a step"))
+            if not bool((terminated | truncated).any()):  # the step did not end the episode itself: truncate it here
+                truncated = torch.ones_like(truncated)
+                info["done"] = torch.ones_like(info["done"])
+                for k in [k for k in info if k.startswith("episode/termination/")]:
+                    info[k] = torch.zeros_like(info[k])
+        info["carla/crash"] = torch.tensor([float(crashed)], device=env.device)
+        info["carla/restarts"] = torch.tensor([float(env.restarts)], device=env.device)
+        # per finished episode (the trainer logs every ``episode/*`` key): crashed episodes and restarts so far
+        info["episode/carla_crash"] = info["carla/crash"].clone()
+        info["episode/carla_restarts"] = info["carla/restarts"].clone()
+        return truncated
+
+
 class CarlaWorker(SimEnv):
     """CaRL's task on one CARLA server (``num_envs`` = 1). ``server`` is restarted on crashes when given."""
+
+    actors: CarlaActors
+    lights: CarlaLightSource
 
     def __init__(self, ccfg: CarlaConfig, scfg: SimConfig, port: int, tm_port: int, device: str | torch.device =
                  "cpu", seed: int = 0, server: CarlaServer | None = None):
         self.ccfg, self.port, self.tm_port, self.server = ccfg.validate(), port, tm_port, server
         self.restarts = 0
-        self._crashed = False
-        self._tracked = _Tracked()
-        self._last: tuple[Reading, Reading] = (Reading.empty(), Reading.empty())
-        self._light_src: CarlaLights | None = None  # CARLA's lights -> light groups; built on the first read
         self.carla = _carla()
         if scfg.route_file and ccfg.town not in route_towns(scfg.route_file):
             raise CarlaError(f"route file {scfg.route_file} has no routes for town {ccfg.town!r}; it uses "
@@ -233,7 +418,8 @@ class CarlaWorker(SimEnv):
         xodr = self.cworld.get_map().to_opendrive()
         world = build_carla_world(graph_from_xodr(xodr, ccfg.town, scfg.cache_dir), ccfg.town, scfg,
                                   torch.device(device))
-        super().__init__(scfg, 1, device, seed, world=world)
+        super().__init__(scfg, 1, device, seed, world=world, ego=CarlaControl(), actors=CarlaActors(),
+                         lights=CarlaLightSource(), hooks=(CrashRecovery(),))
 
     # ------------------------------------------------------------------ connection
     def _connect(self, seed: int = 0) -> None:
@@ -264,10 +450,9 @@ class CarlaWorker(SimEnv):
             self.tm.set_synchronous_mode(True)
             self.tm.set_random_device_seed(seed)
         self.cmap = world.get_map()
-        self._tracked = _Tracked()
-        self._light_src = None  # mapped again on the first read (new actors, new client)
+        self.crashed = False
 
-    def _recover(self, why: BaseException) -> None:
+    def recover(self, why: BaseException) -> None:
         """Restart (or wait for) the server and reconnect with a new client; counts the restart."""
         self.restarts += 1
         if self.restarts > self.ccfg.max_restarts:
@@ -284,231 +469,18 @@ class CarlaWorker(SimEnv):
                                       f"{self.ccfg.ready_timeout:.0f} s after: {why}") from why
                 time.sleep(1.0)
         self._connect(self.seed + self.restarts)
+        self.actors.forget()
+        self.lights.carla = None  # mapped again on the first read (new actors, new client)
 
-    # ------------------------------------------------------------------ episodes
-    def _initial_state(self, *rows: Tensor) -> SimState:
-        """A fresh episode (``rows`` is the simulator's optional row selection; the worker has one row)."""
-        s = super()._initial_state(*rows)  # route choice, light offsets, reward state; actors are replaced below
-        s.statics.valid = torch.zeros_like(s.statics.valid)  # CARLA's parked cars are level geometry, not actors
-        while True:
-            try:
-                self._start_episode(s)
-                return s
-            except RuntimeError as e:  # a dead or hung server: the client only ever says "time-out"
-                if isinstance(e, CarlaError):
-                    raise
-                self._recover(e)
-
-    def _destroy_actors(self) -> None:
-        t = self._tracked
-        for c in t.controllers:
-            try:
-                c.stop()
-            except RuntimeError:
-                pass
-        for v in t.vehicles:  # unregister from the Traffic Manager first: it must never touch a destroyed actor
-            try:
-                v.set_autopilot(False, self.tm_port)
-            except RuntimeError:
-                pass
-        for a in [*t.controllers, *t.walkers, *t.vehicles, *([t.ego] if t.ego is not None else [])]:
-            try:
-                a.destroy()
-            except RuntimeError:
-                pass
-        self._tracked = _Tracked()
-
-    def _transform(self, xy: np.ndarray, yaw: float, lift: float = 0.5) -> Any:
-        carla = self.carla
-        x, y = world_to_carla(float(xy[0]), float(xy[1]))
-        wp = self.cmap.get_waypoint(carla.Location(x=x, y=y, z=0.0))
-        z = (wp.transform.location.z if wp is not None else 0.0) + lift
-        return carla.Transform(carla.Location(x=x, y=y, z=z), carla.Rotation(yaw=float(world_yaw_to_carla(yaw))))
-
-    def _start_episode(self, s: SimState) -> None:
-        c, g = self.ccfg, self.gen
-        self._destroy_actors()
-        t = self._tracked
-        lib = self.cworld.get_blueprint_library()
-        bp = lib.find(EGO_BLUEPRINT)
-        bp.set_attribute("role_name", "hero")
-        t.ego = self.cworld.spawn_actor(bp, self._transform(s.ego_xy[0].cpu().numpy(), float(s.ego_yaw[0])))
-        t.half[t.ego.id] = self._half(t.ego)
-        ego = s.ego_xy[0].cpu().numpy()
-        if c.traffic_vehicles > 0:
-            vehicle_bps = [b for b in lib.filter("vehicle.*") if b.get_attribute("number_of_wheels").as_int() == 4]
-            for tf in self._vehicle_spawns(ego, c.traffic_vehicles * 2)[: c.traffic_vehicles * 2]:
-                if len(t.vehicles) >= c.traffic_vehicles:
-                    break
-                b = vehicle_bps[int(torch.randint(len(vehicle_bps), (1,), generator=g))]
-                v = self.cworld.try_spawn_actor(b, tf)
-                if v is not None:
-                    v.set_autopilot(True, self.tm_port)
-                    if c.vehicle_lights:  # brake lights and blinkers, as the leaderboard's background traffic
-                        self.tm.update_vehicle_lights(v, True)
-                    t.vehicles.append(v)
-                    t.half[v.id] = self._half(v)
-                    t.emergency[v.id] = is_emergency(v)
-        if c.traffic_pedestrians > 0:
-            self._spawn_walkers(ego, c.traffic_pedestrians)
-        self.cworld.tick()
-        self._read(s)
-
-    def _vehicle_spawns(self, ego: np.ndarray, n: int) -> list[Any]:
-        """Spawn transforms at least 15 m from the ego: the map's recommended points, else random lane points."""
-        pts = list(self.cmap.get_spawn_points())
-        if pts:
-            order = torch.randperm(len(pts), generator=self.gen).tolist()
-            return [pts[i] for i in order
-                    if math.hypot(pts[i].location.x - ego[0], -pts[i].location.y - ego[1]) > 15.0][:n]
-        from envs.sim.agents import lane_pose
-        from envs.sim.world import sample_spawn
-
-        lane, s = sample_spawn(self.world, (n,), self.gen, torch.zeros(n, dtype=torch.long, device=self.world.device))
-        xy, yaw = lane_pose(self.world, lane, s)
-        return [self._transform(p, float(a)) for p, a in zip(xy.cpu().numpy(), yaw.cpu().numpy())
-                if np.linalg.norm(p - ego) > 15.0]
-
-    def _spawn_walkers(self, ego: np.ndarray, n: int) -> None:
-        """Walkers at crosswalks near the ego; CARLA's AI controllers walk them when ``walker_ai`` is set."""
-        carla, t, w = self.carla, self._tracked, self.world
-        if w.crosswalks.shape[0] == 0:
-            return
-        centres = w.crosswalks.mean(-2).cpu().numpy()
-        near = np.argsort(np.linalg.norm(centres - ego, axis=-1))[:n]
-        bps = list(self.cworld.get_blueprint_library().filter("walker.pedestrian.*"))
-        for k, i in enumerate(near):
-            b = bps[k % len(bps)]
-            if b.has_attribute("is_invincible"):
-                b.set_attribute("is_invincible", "false")
-            walker = self.cworld.try_spawn_actor(b, self._transform(centres[i], 0.0, lift=1.0))
-            if walker is None:
-                continue
-            t.walkers.append(walker)
-            t.half[walker.id] = self._half(walker)
-            if self.ccfg.walker_ai:
-                ctrl = self.cworld.spawn_actor(self.cworld.get_blueprint_library().find("controller.ai.walker"),
-                                               carla.Transform(), walker)
-                ctrl.start()
-                ctrl.go_to_location(self.cworld.get_random_location_from_navigation())
-                t.controllers.append(ctrl)
-
-    @staticmethod
-    def _half(actor: Any) -> tuple[float, float]:
-        e = actor.bounding_box.extent
-        return float(e.x), float(e.y)
-
-    # ------------------------------------------------------------------ reading CARLA's state
-    def _read(self, s: SimState) -> None:
-        """Ego pose/speed and all tracked actors from the latest world snapshot (no RPC: the state stream), and the
-        vehicles' light states (one RPC for all of them; the snapshot does not carry them)."""
-        snap = self.cworld.get_snapshot()
-        t = self._tracked
-        e = snap.find(t.ego.id)
-        if e is None:
-            raise RuntimeError("time-out: the ego is missing from the world snapshot")
-        ego = Reading.from_carla(*self._arrays([e], [t.ego.id]))
-        s.ego_xy = torch.as_tensor(ego.xy, device=self.device)
-        s.ego_yaw = torch.as_tensor(ego.yaw, device=self.device)
-        s.ego_speed = torch.as_tensor(ego.speed, device=self.device)
-        vel, yaw = e.get_velocity(), e.get_transform().rotation.yaw
-        s.ego_vel_local = torch.as_tensor(ego_frame_velocity(vel.x, vel.y, yaw), device=self.device).unsqueeze(0)
-        s.gear = torch.tensor([float(t.ego.get_control().gear)], device=self.device)  # CARLA's gearbox (state stream)
-        readings = []
-        for group in (t.vehicles, t.walkers):
-            snaps = [(snap.find(a.id), a.id) for a in group]
-            snaps = [(x, i) for x, i in snaps if x is not None]
-            if not snaps:
-                readings.append(Reading.empty())
-                continue
-            ids = [i for _, i in snaps]
-            lights = None
-            if group is t.vehicles:
-                lights = vehicle_lights(self.cworld.get_vehicles_light_states(), ids,
-                                        [t.emergency.get(i, False) for i in ids])
-            readings.append(Reading.from_carla(*self._arrays([x for x, _ in snaps], ids), lights))
-        self._last = (readings[0], readings[1])
-        self._apply_last(s)
-        self._read_lights()
-
-    def _read_lights(self) -> None:
-        if self._light_src is None:
-            self._light_src = CarlaLights(self.world, self.cworld, self.device, self.ccfg.carla_lights,
-                                          f"CARLA port {self.port}")
-        self._light_src.read()
-
-    def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
-        """CARLA's light colours for light groups [B, N] (see :class:`CarlaLights`); the simulator's cycle model when
-        ``carla_lights`` is off or the server has no light actors."""
-        out = self._light_src(group) if self._light_src is not None else None
-        return out if out is not None else super()._lights(s, group)
-
-    def _arrays(self, snaps: list[Any], ids: list[int]) -> tuple[np.ndarray, ...]:
-        tf = [x.get_transform() for x in snaps]
-        vel = [x.get_velocity() for x in snaps]
-        return (np.array([a.location.x for a in tf]), np.array([a.location.y for a in tf]),
-                np.array([a.rotation.yaw for a in tf]), np.array([v.x for v in vel]), np.array([v.y for v in vel]),
-                np.array([self._tracked.half.get(i, (2.45, 1.05)) for i in ids]).reshape(-1, 2))
-
-    def _apply_last(self, s: SimState) -> None:
-        fill_vehicles(s.veh, self._last[0], s.ego_xy)
-        fill_pedestrians(s.ped, self._last[1], s.ego_xy)
-
-    # ------------------------------------------------------------------ the SimEnv hooks
-    def _move_ego(self, s: SimState, action: Tensor) -> None:
-        steer, throttle, brake = split_action(action[0])
-        s.last_action = torch.tensor([[steer, throttle, brake]], device=self.device)
-        if self._crashed:
-            return
-        try:
-            self._tracked.ego.apply_control(vehicle_control(self.carla, action[0]))
-        except RuntimeError as e:
-            self._mark_crash(e)
-
-    def _move_actors(self, s: SimState) -> None:
-        if self._crashed:
-            return
-        try:
-            self.cworld.tick(self.ccfg.client_timeout)
-            self._read(s)
-        except RuntimeError as e:
-            self._mark_crash(e)
-
-    def _mark_crash(self, e: BaseException) -> None:
+    def mark_crash(self, e: BaseException) -> None:
+        """A step's RPC failed: the rest of the step runs on the last reading, :class:`CrashRecovery` ends it."""
         log.warning("CARLA step failed on port %d: %s", self.port, e)
-        self._crashed = True
-
-    def _observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
-        self._apply_last(s)
-        return super()._observe(s, speed_limit)
-
-    def step(self, action: Tensor) -> StepResult:
-        """The simulator's step; a crash during it truncates the episode, restarts the server and starts a new one."""
-        res = super().step(action)
-        crashed = self._crashed
-        if crashed:
-            self._recover(RuntimeError("server died or timed out during a step"))
-            self._crashed = False
-            done = res.terminated | res.truncated
-            if not bool(done.any()):  # the step did not end the episode itself: truncate it here
-                res.truncated = torch.ones_like(res.truncated)
-                res.info["done"] = torch.ones_like(res.info["done"])
-                for k in [k for k in res.info if k.startswith("episode/termination/")]:
-                    res.info[k] = torch.zeros_like(res.info[k])
-            self.state = self._initial_state(*_all_rows(self.device))
-            self._advance_route_assignment(torch.ones(1, dtype=torch.bool, device=self.device))
-            res.obs = self._observe(self.state)
-        res.info["carla/crash"] = torch.tensor([float(crashed)], device=self.device)
-        res.info["carla/restarts"] = torch.tensor([float(self.restarts)], device=self.device)
-        # per finished episode (the trainer logs every ``episode/*`` key): crashed episodes and restarts so far
-        res.info["episode/carla_crash"] = res.info["carla/crash"].clone()
-        res.info["episode/carla_restarts"] = res.info["carla/restarts"].clone()
-        return res
+        self.crashed = True
 
     def close(self) -> None:
         """Destroy our actors and hand the server back in asynchronous mode (else it waits for ticks forever)."""
         try:
-            self._destroy_actors()
+            self.actors.destroy()
             settings = self.cworld.get_settings()
             settings.synchronous_mode = False
             settings.fixed_delta_seconds = None

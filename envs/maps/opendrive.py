@@ -53,6 +53,11 @@ known, and a fix.
 
 Entry points: :func:`load_opendrive` (any ``.xodr`` file) and :func:`load_town` (``"Town01"`` ..., with an
 ``.npz`` cache keyed by the xodr's sha256). See ``docs/maps.md``.
+
+One file, on purpose: the builder's passes (lanes, widths, neighbours, lights, stop lines, crosswalks, junction
+areas) share one parsed ``carla.Map``, its lane-piece index and the frame conversion; split, each pass would reach
+into the others' private index. Its public surface is small: :func:`load_opendrive`, :func:`load_town` and the frame
+helpers.
 """
 from __future__ import annotations
 

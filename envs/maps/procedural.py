@@ -35,6 +35,9 @@ Design decisions (documented here because downstream code relies on them):
 * **Shoulders** are stored as the centre line of the shoulder strip (offset ``n * lane_width + shoulder / 2`` to
   the right of the road axis) with the shoulder width, one per road direction.
 * Node ids are junction ids; in :func:`generate_world` they are offset per town so they stay unique.
+
+One file, on purpose: layout, movements, controls and compilation are one algorithm over the private ``_Town`` /
+``_Road`` records; the public surface is :class:`ProceduralConfig`, :func:`generate_town` and :func:`generate_world`.
 """
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Benchmark scores computed from simulated runs (nuPlan closed-loop score)."""
+"""Benchmark scores and result formats for simulated runs (nuPlan closed-loop score, Leaderboard 2.0 records)."""

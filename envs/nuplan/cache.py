@@ -29,7 +29,8 @@ import numpy as np
 from envs.maps.lanegraph import LaneGraph
 from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import load_location
-from envs.nuplan.reader import AGENT_TYPES, ScenarioData, ScenarioSpec, load_scenario
+from envs.nuplan.reader import (AGENT_TYPES, ScenarioData, ScenarioSpec, find_logs, list_scenarios, load_scenario,
+                                select_named)
 from envs.routes import Route
 
 CACHE_VERSION = 1
@@ -227,14 +228,25 @@ def list_cache(cache_dir: str | Path, tokens: Iterable[str] | None = None, log_n
         types = set(scenario_types)
         files = [f for f in files if f.parent.name in types]
     if tokens is not None:
-        wanted = [t.lower() for t in tokens]
-        have = {f.stem: f for f in files}
-        missing = [t for t in wanted if t not in have]
-        if missing:
-            raise CacheError(f"scenario token(s) not in cache {root}: {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        files = [have[t] for t in wanted]
+        files = select_named([t.lower() for t in tokens], {f.stem: f for f in files}, CacheError,
+                             f"scenario token(s) not in cache {root}")
     return files
+
+
+def prepare_cache(tokens: Iterable[str], cache_dir: str | Path, data_root: str | Path | None = None,
+                  split: str | None = None, log_names: Iterable[str] | None = None,
+                  maps_root: str | Path | None = None, workers: int = 1) -> set[str]:
+    """The scenario ``tokens`` (lower case) that ``cache_dir`` holds. With ``data_root``, the logs there (of
+    ``split`` / ``log_names``) are scanned for the tokens and their missing cache files are built first (maps from
+    ``maps_root``, default ``data_root/maps``); without it, the cache alone is used. Tokens found nowhere are left
+    out; a missing data root or log raises :class:`~envs.nuplan.reader.NuplanDataError`."""
+    wanted = list(tokens)
+    if data_root:
+        specs = [sp for log in find_logs(data_root, split, log_names) for sp in list_scenarios(log, None, wanted)]
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        build_cache(specs, maps_root or Path(data_root) / "maps", cache_dir, workers)
+    have = {f.stem for f in list_cache(cache_dir)} if Path(cache_dir).is_dir() else set()
+    return have.intersection(wanted)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,14 +1,17 @@
-"""The nuPlan environment: the built-in simulator in log-replay mode, batched across cached scenarios.
+"""The nuPlan environment: the simulator core in log-replay mode, batched across cached scenarios.
 
-``NuplanEnv`` subclasses :class:`~envs.sim.env.SimEnv` and replaces only what moves the world:
+``NuplanEnv`` is the core (:class:`~envs.sim.env.SimEnv`) holding the scenarios' logs, assembled from nuPlan's parts
+(:mod:`envs.sim.parts`):
 
-* ``_initial_state``: a scenario per environment (random for training, fixed order for evaluation), the ego at its
-  logged start pose and speed, agents and traffic lights at the first frame;
-* ``_move_ego``: nuPlan's kinematic bicycle model (rear-axle reference, first-order lags of 0.2 s on acceleration
-  and 0.05 s on steering) driven by CaRL's nuPlan action mapping (``carl-reference.md`` §16);
-* ``_move_actors``: agents replayed from the log (non-reactive), or vehicles driven by the shared lane-following
-  IDM from their logged start (reactive; pedestrians and static objects stay replayed); logged traffic-light
-  states are written into the light model.
+* :class:`LogStarts`: a scenario per environment (random for training, fixed order for evaluation), the ego at its
+  logged start pose, speed and acceleration;
+* :class:`~envs.nuplan.dynamics.NuplanBicycle`: nuPlan's kinematic bicycle model (rear-axle reference, first-order
+  lags of 0.2 s on acceleration and 0.05 s on steering) driven by CaRL's nuPlan action mapping
+  (``carl-reference.md`` §16);
+* :class:`LogReplay`: agents replayed from the log (non-reactive), or vehicles driven by the shared lane-following
+  IDM from their logged start (reactive; pedestrians and static objects stay replayed);
+* :class:`LoggedLights`: the logged traffic-light states, written into the simulator's light model;
+* :class:`NuplanMetrics`: the scenario of every episode and, with ``score``, nuPlan's closed-loop score.
 
 Observation, infractions and reward are the shared ones. Every cached scenario's map patch is laid out on one
 grid (each in its own cell) so one ``World`` holds them all and the step stays a fixed sequence of tensor ops.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +33,19 @@ from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario, build_cache, 
 from envs.routes import Route
 from envs.sim import agents
 from envs.sim.agents import Pedestrians, Statics, Vehicles
-from envs.sim.config import ConfigError, SimConfig, from_dict
-from envs.sim.env import HISTORY, SimEnv, SimState
+from envs.nuplan.config import NuplanOptions
+from envs.config import ConfigError, from_dict
+from envs.sim.config import SimConfig
+from envs.nuplan.dynamics import EGO_HALF, WHEELBASE, NuplanBicycle
+from envs.sim.env import SimEnv, SimState
 from envs.sim.geometry import wrap_angle
+from envs.sim.infractions import HISTORY
+from envs.sim.parts import ActorSource, LightCycle, StartSource, StepHook
 from envs.sim.world import build_world, lane_lookup
-from envs.reward import RewardState
 from envs.sim.geometry import boxes_overlap
-from envs.sim.criteria import CriteriaState
-from envs.sim.infractions import HARD, INFRACTIONS
+from envs.sim.infractions import HARD
 from envs.metrics import nuplan as M
 
-# Chrysler Pacifica (nuPlan ego) and CaRL's nuPlan action mapping
-WHEELBASE = 3.089
-EGO_HALF = (2.588, 1.1485)  # (4.049 + 1.127) / 2, 2.297 / 2
-MAX_ACCEL, MAX_DECEL = 2.4, 3.2
-MAX_STEER = 0.83775804  # rad (48°): target tire angle at |action| = 1
-STEER_LIMIT = math.pi / 3
-ACCEL_LAG, STEER_LAG = 0.2, 0.05  # s
 # light model: a 3 s cycle per light group; the logged state picks the time inside it
 LIGHT_PHASE = (1.0, 1.0, 1.0)  # green, yellow, all-red
 LIGHT_REL = (0.5, 1.5, 2.5, 0.5)  # green, yellow, red, unknown (shown as green)
@@ -61,38 +60,8 @@ NUPLAN_COMPONENTS = M.MULTIPLIERS + tuple(M.WEIGHTS)
 
 
 @dataclass
-class NuplanOptions:
-    """``env.options`` of ``env=nuplan`` (validated once; unknown keys are errors)."""
-
-    cache_dir: str = "data/nuplan_cache"
-    data_root: str | None = None  # build missing cache files from these logs (maps under <data_root>/maps)
-    maps_root: str | None = None
-    split: str | None = None  # e.g. "mini", "val" (nuplan-v1.1/splits/<split>)
-    split_yaml: str | None = None  # scenario filter yaml (e.g. val14_split.yaml): its tokens and types
-    tokens: tuple[str, ...] | None = None
-    log_names: tuple[str, ...] | None = None
-    scenario_types: tuple[str, ...] | None = None
-    max_scenarios: int = 64  # scenarios held by one env object (the training pool / evaluation set)
-    reactive: bool = False  # IDM vehicles instead of log replay
-    red_light: bool = False  # red-light termination (CaRL nuPlan: off)
-    route_split: str = "train"  # "train": random scenarios; "eval": each scenario once, in order
-    workers: int = 1  # cache build processes
-    score: bool = True  # record the per-step trace and report nuPlan's closed-loop score per episode
-    sim: dict = field(default_factory=dict)  # SimConfig overrides (bev_size, reward, ...)
-
-    def validate(self) -> "NuplanOptions":
-        if self.route_split not in ("train", "eval"):
-            raise ConfigError(f"env.options.route_split={self.route_split!r}: use 'train' or 'eval'")
-        if self.max_scenarios < 1:
-            raise ConfigError(f"env.options.max_scenarios={self.max_scenarios}: must be >= 1")
-        if not self.cache_dir:
-            raise ConfigError("env.options.cache_dir: set the scenario cache folder")
-        return self
-
-
-@dataclass
 class NuplanState(SimState):
-    """SimState plus the log-replay and bicycle-model state."""
+    """SimState plus the log-replay and bicycle-model state (set by the parts when an episode starts)."""
 
     scenario: Tensor = None  # [B] index into the env's scenarios
     ego_accel: Tensor = None  # [B] rear-axle longitudinal acceleration (lagged)
@@ -126,26 +95,6 @@ def _pad_stack(arrays: list[np.ndarray], n: int, t: int) -> np.ndarray:
         a = np.concatenate([a, np.repeat(a[-1:], t - len(a), 0)]) if len(a) < t else a[:t]
         out[k, :, : a.shape[1]] = a
     return out
-
-
-def bicycle_step(rear: Tensor, yaw: Tensor, speed: Tensor, accel: Tensor, steer: Tensor, action: Tensor, dt: float
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """One step of nuPlan's kinematic bicycle model (rear axle, forward Euler, 0.2 s acceleration and 0.05 s steering
-    lags) driven by CaRL's action mapping ``action`` [B, 2] = (steer, longitudinal) in [-1, 1]; a reverse guard
-    stops instead of driving backwards. Returns (rear [B, 2], yaw, speed, accel, steer). Shared by the env and the
-    nuplan-devkit planner adapter (``envs.nuplan.devkit_planner``)."""
-    steer_cmd, acc_cmd = action[:, 0], action[:, 1]
-    a_target = torch.where(acc_cmd >= 0, acc_cmd * MAX_ACCEL, acc_cmd * MAX_DECEL)
-    a_target = torch.where(speed + a_target * dt < 0, -speed - 0.75 * accel, a_target).clamp(-MAX_DECEL, MAX_ACCEL)
-    steer_rate = (steer_cmd * MAX_STEER - steer) / dt
-    fwd = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-    rear = rear + fwd * (speed * dt).unsqueeze(-1)
-    new_yaw = wrap_angle(yaw + speed * torch.tan(steer) / WHEELBASE * dt)
-    new_accel = accel + dt / (dt + ACCEL_LAG) * (a_target - accel)
-    ideal = steer + dt * steer_rate
-    new_steer = (steer + dt / (dt + STEER_LAG) * (ideal - steer)).clamp(-STEER_LIMIT, STEER_LIMIT)
-    new_speed = (speed + new_accel * dt).clamp(min=0.0)
-    return rear, new_yaw, new_speed, new_accel, new_steer
 
 
 def box_corners_t(xy: Tensor, yaw: Tensor, half: Tensor) -> Tensor:
@@ -186,14 +135,15 @@ def nuplan_ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego
 
 
 class NuplanEnv(SimEnv):
-    """Closed-loop simulation of cached nuPlan scenarios (see the module docstring)."""
+    """Closed-loop simulation of cached nuPlan scenarios (see the module docstring): the core with nuPlan's parts
+    and the scenarios' logs (``log_*`` tensors in the world frame, read by the parts)."""
 
     def __init__(self, scenarios: list[CachedScenario], opts: NuplanOptions, num_envs: int,
                  device: str | torch.device = "cpu", seed: int = 0):
         if not scenarios:
             raise ConfigError("env=nuplan: no scenarios to simulate; check env.options.cache_dir and the filters")
         self.opts = opts
-        self.scenarios = scenarios
+        self.scenarios = scenarios  # the cached scenarios, in route (scenario index) order
         dev = torch.device(device)
         graphs = [sc.graph for sc in scenarios]
         shifts = grid_shifts(graphs)
@@ -216,7 +166,9 @@ class NuplanEnv(SimEnv):
             sim[k] = {**sim.get(k, {}), **v} if isinstance(v, dict) and isinstance(sim.get(k), dict) else v
         cfg = from_dict(SimConfig, sim, "env.options.sim").validate()
         world = build_world(graph, routes, cfg, dev)
-        super().__init__(cfg, num_envs, dev, seed, world=world)
+        super().__init__(cfg, num_envs, dev, seed, world=world, starts=LogStarts(), ego=NuplanBicycle(),
+                         actors=LogReplay(opts.reactive), lights=LoggedLights(), hooks=(NuplanMetrics(opts.score),),
+                         state_type=NuplanState, check_stop_lines=opts.red_light)
         # log tensors, world frame: [S, T, N, 7] = x, y, heading, length, width, vx, vy
         t_pad = self.num_frames
         f32 = lambda a: torch.as_tensor(a, dtype=torch.float32, device=dev)  # noqa: E731
@@ -255,60 +207,102 @@ class NuplanEnv(SimEnv):
         self.expert_progress = np.array([
             float(np.linalg.norm(np.diff(sc.ego[: max(sc.num_frames - 1, 1), :2], axis=0), axis=-1).sum())
             for sc in scenarios])
-        # per-step trace for nuPlan's metrics: a ring buffer [B, L] per signal, written at column (steps - 1) % L
-        self.trace_len = self.num_frames + 2
-        self.trace = {k: torch.zeros(num_envs, self.trace_len, device=dev,
-                                     dtype=torch.bool if k in ("multi_lane", "junction", "ttc") else torch.float32)
-                      for k in TRACE_KEYS}
-        self._rows = torch.arange(num_envs, device=dev)
-
-    def _refresh_actors(self, s: SimState) -> None:
-        """Log replay owns every agent: no re-spawning near the ego."""
 
     @property
     def options(self) -> NuplanOptions:
         return self.opts
 
     # ------------------------------------------------------------------ log access
-    def _frame(self, scenario: Tensor, frame: Tensor) -> tuple[Tensor, Tensor]:
-        f = frame.clamp(max=self.num_frames - 1)
-        return scenario, f
+    def _frame(self, frame: Tensor) -> Tensor:
+        return frame.clamp(max=self.num_frames - 1)
 
-    def _log_vehicles(self, scenario: Tensor, frame: Tensor) -> Vehicles:
-        sc, f = self._frame(scenario, frame)
-        a, v = self.log_veh[sc, f], self.log_veh_valid[sc, f]
+    def logged_vehicles(self, scenario: Tensor, frame: Tensor) -> Vehicles:
+        """The logged vehicles of ``scenario`` [B] at ``frame`` [B] (the last frame beyond the log's end)."""
+        f = self._frame(frame)
+        a, v = self.log_veh[scenario, f], self.log_veh_valid[scenario, f]
         z = torch.zeros_like(a[..., 0])
         return Vehicles(lane=z.long(), s=z.clone(), speed=a[..., 5:7].norm(dim=-1), next_lane=z.long(), valid=v,
                         half=a[..., 3:5] / 2, v_factor=torch.ones_like(z), stopped_at_sign=torch.zeros_like(v),
                         still_time=z.clone(), xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(),
                         lights=torch.zeros_like(z, dtype=torch.int32))
 
-    def _log_pedestrians(self, scenario: Tensor, frame: Tensor) -> Pedestrians:
-        sc, f = self._frame(scenario, frame)
-        a, v = self.log_ped[sc, f], self.log_ped_valid[sc, f]
+    def logged_pedestrians(self, scenario: Tensor, frame: Tensor) -> Pedestrians:
+        f = self._frame(frame)
+        a, v = self.log_ped[scenario, f], self.log_ped_valid[scenario, f]
         z = torch.zeros_like(a[..., 0])
         speed = a[..., 5:7].norm(dim=-1)
         return Pedestrians(crosswalk=z.long(), progress=z.clone(), direction=torch.ones_like(z), wait=z.clone(),
                            speed=speed, valid=v, xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(),
                            moving=speed > 0.2)
 
-    def _log_statics(self, scenario: Tensor, frame: Tensor) -> Statics:
-        sc, f = self._frame(scenario, frame)
-        a = self.log_st[sc, f]
+    def logged_statics(self, scenario: Tensor, frame: Tensor) -> Statics:
+        f = self._frame(frame)
+        a = self.log_st[scenario, f]
         return Statics(xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(), half=a[..., 3:5] / 2,
-                       valid=self.log_st_valid[sc, f])
+                       valid=self.log_st_valid[scenario, f])
 
-    def _light_offsets(self, scenario: Tensor, frame: Tensor, t: Tensor, out: Tensor) -> Tensor:
+    def light_offsets(self, scenario: Tensor, frame: Tensor, t: Tensor, out: Tensor) -> Tensor:
         """Per-junction cycle offsets that make every light group show its logged state at time ``t``."""
-        sc, f = self._frame(scenario, frame)
-        state = self.log_lights[sc, f]  # [B, G]
+        state = self.log_lights[scenario, self._frame(frame)]  # [B, G]
         cycle = sum(LIGHT_PHASE)
         val = torch.remainder(self.light_rel[state] - t.unsqueeze(-1), cycle)
-        return out.scatter(1, self.light_junc[sc], val)
+        return out.scatter(1, self.light_junc[scenario], val)
+
+
+# ---------------------------------------------------------------------------------------------- nuPlan's parts
+class LogStarts(StartSource):
+    """A scenario per fresh episode (random for training, the fixed assignment for evaluation); the ego at the
+    scenario's first logged pose, speed and acceleration."""
+
+    env: NuplanEnv
+
+    def pick(self, rows: Tensor) -> Tensor:
+        env = self.env
+        if env.opts.route_split == "eval":
+            return env.next_route[rows]
+        return torch.randint(len(env.scenarios), (len(rows),), generator=env.gen, device=env.device)
+
+    def place(self, s: NuplanState, rows: Tensor) -> None:
+        e = self.env.log_ego[s.route_id, 0]
+        yaw = e[:, 2]
+        speed = e[:, 3].clamp(min=0.0)
+        s.scenario = s.route_id.clone()  # one route per scenario
+        s.ego_xy = e[:, :2] + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+        s.ego_yaw, s.ego_speed, s.ego_accel = yaw, speed, e[:, 5].clone()
+        s.ego_vel_local = torch.stack((speed, torch.zeros_like(speed)), -1)
+        s.hist_speed, s.hist_yaw = e[:, 3:4].repeat(1, HISTORY), yaw.unsqueeze(1).repeat(1, HISTORY)
+
+
+class LogReplay(ActorSource):
+    """Agents replayed from the log frame by frame; ``reactive``: vehicles driven by the shared lane-following IDM
+    from their logged start instead (pedestrians and static objects stay replayed). Nothing re-spawns."""
+
+    env: NuplanEnv
+
+    def __init__(self, reactive: bool = False):
+        self.reactive = reactive
+
+    def reset(self, s: NuplanState, rows: Tensor) -> None:
+        env, frame = self.env, s.steps  # 0: the first logged frame
+        veh = env.logged_vehicles(s.scenario, frame)
+        if self.reactive:
+            self._snap_to_lanes(veh)
+        s.veh, s.ped, s.statics = veh, env.logged_pedestrians(s.scenario, frame), env.logged_statics(s.scenario, frame)
+
+    def step(self, s: NuplanState) -> None:
+        env = self.env
+        frame = s.steps + 1
+        if self.reactive:
+            agents.step_vehicles(env.world, s.veh, env.obstacles(s, include_ego=True),
+                                 lambda g: env.lights.state(s, g), env.cfg, env.gen)
+        else:
+            s.veh = env.logged_vehicles(s.scenario, frame)
+        s.ped = env.logged_pedestrians(s.scenario, frame)
+        s.statics = env.logged_statics(s.scenario, frame)
 
     def _snap_to_lanes(self, veh: Vehicles) -> None:
-        """Reactive mode: put logged vehicles on their nearest lane (lane, arc position) to drive them with IDM."""
-        w = self.world
+        """Put logged vehicles on their nearest lane (lane, arc position) to drive them with IDM."""
+        w = self.env.world
         lane, lateral, lane_yaw, found, _ = lane_lookup(w, veh.xy)
         pts = w.lane_pts[lane]  # [B, N, P, 2]
         s = (pts - veh.xy.unsqueeze(-2)).norm(dim=-1).argmin(-1).float() * w.lane_spacing[lane]
@@ -316,92 +310,60 @@ class NuplanEnv(SimEnv):
         veh.lane, veh.s = lane, s
         veh.valid = veh.valid & found & aligned
         veh.v_factor = (IDM_TARGET_SPEED / w.lane_speed[lane].clamp(min=1.0)).clamp(0.3, 1.5)
-        veh.next_lane = agents.random_successor(w, lane, self.gen)
+        veh.next_lane = agents.random_successor(w, lane, self.env.gen)
         veh.xy, veh.yaw = agents.lane_pose(w, lane, s)
 
-    # ------------------------------------------------------------------ SimEnv hooks
-    def _pick_scenarios(self, rows: Tensor) -> Tensor:
-        if self.opts.route_split == "eval":
-            return self.next_route[rows]
-        return torch.randint(len(self.scenarios), (len(rows),), generator=self.gen, device=self.device)
 
-    def _initial_state(self, rows: Tensor | None = None) -> NuplanState:
-        """Fresh episodes for ``rows`` (all environments when None): the scenarios' first logged frame."""
-        dev = self.device
-        if rows is None:
-            rows = torch.arange(self.num_envs, device=dev)
-        B = len(rows)
-        sc = self._pick_scenarios(rows)
-        f0 = torch.zeros(B, dtype=torch.long, device=dev)
-        e = self.log_ego[sc, 0]
-        yaw = e[:, 2]
-        ego_xy = e[:, :2] + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-        veh = self._log_vehicles(sc, f0)
-        if self.opts.reactive:
-            self._snap_to_lanes(veh)
-        zeros = torch.zeros(B, device=dev)
-        light = torch.zeros(B, self.world.num_junctions + 1, device=dev)
-        return NuplanState(
-            ego_xy=ego_xy, ego_yaw=yaw, ego_speed=e[:, 3].clamp(min=0.0),
-            ego_vel_local=torch.stack((e[:, 3].clamp(min=0.0), zeros), -1), gear=zeros + 1.0,
-            last_action=torch.zeros(B, 3, device=dev),
-            route_id=sc.clone(), route_idx=f0.clone(), rc=zeros.clone(), t=zeros.clone(), steps=f0.clone(),
-            still_time=zeros.clone(), light_offset=self._light_offsets(sc, f0, zeros, light),
-            stop_done=torch.zeros(B, dtype=torch.bool, device=dev),
-            hist_speed=e[:, 3:4].repeat(1, HISTORY), hist_yaw=yaw.unsqueeze(1).repeat(1, HISTORY),
-            veh=veh, ped=self._log_pedestrians(sc, f0), statics=self._log_statics(sc, f0),
-            reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
-            counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
-            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev),
-            scenario=sc, ego_accel=e[:, 5].clone(), ego_steer=zeros.clone())
+class LoggedLights(LightCycle):
+    """The logged light states, written into the simulator's light model (a short cycle whose per-junction offsets
+    show every group's logged state at the current time)."""
 
-    def _move_ego(self, s: NuplanState, action: Tensor) -> None:
-        """CaRL's action mapping into nuPlan's kinematic bicycle model (rear axle; forward Euler)."""
-        fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
-        rear, yaw, speed, accel, steer = bicycle_step(s.ego_xy - REAR_AXLE_TO_CENTRE * fwd, s.ego_yaw, s.ego_speed,
-                                                      s.ego_accel, s.ego_steer, action, self.cfg.dt)
-        s.ego_steer, s.ego_speed, s.ego_accel, s.ego_yaw = steer, speed, accel, yaw
-        s.ego_vel_local = torch.stack((speed, torch.zeros_like(speed)), -1)  # the rear axle moves along the heading
-        s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-        steer_cmd, acc_cmd = action[:, 0], action[:, 1]
-        s.last_action = torch.stack((steer_cmd, acc_cmd.clamp(min=0.0), (-acc_cmd).clamp(min=0.0)), -1)
+    env: NuplanEnv
 
-    def _move_actors(self, s: NuplanState) -> None:
-        frame = s.steps + 1
-        if self.opts.reactive:
-            agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True), lambda g: self._lights(s, g),
-                                 self.cfg, self.gen)
-        else:
-            s.veh = self._log_vehicles(s.scenario, frame)
-        s.ped = self._log_pedestrians(s.scenario, frame)
-        s.statics = self._log_statics(s.scenario, frame)
-        s.light_offset = self._light_offsets(s.scenario, frame, s.t + self.cfg.dt, s.light_offset)
+    def reset(self, s: NuplanState, rows: Tensor) -> None:
+        out = torch.zeros(len(rows), self.env.world.num_junctions + 1, device=self.env.device)
+        s.light_offset = self.env.light_offsets(s.scenario, s.steps, s.t, out)
 
-    def _stop_lines(self, s: SimState, old_idx: Tensor, new_idx: Tensor) -> tuple[Tensor, Tensor]:
-        if self.opts.red_light:
-            return super()._stop_lines(s, old_idx, new_idx)
-        none = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
-        return none, none.clone()
+    def step(self, s: NuplanState) -> None:
+        s.light_offset = self.env.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
 
-    def _episode_info(self, s: NuplanState, done: Tensor, hard_t: Tensor, truncated: Tensor) -> dict[str, Tensor]:
-        info = super()._episode_info(s, done, hard_t, truncated)
-        info["episode/scenario"] = s.scenario.float()
-        if self.opts.score:
+
+class NuplanMetrics(StepHook):
+    """``episode/scenario`` of every episode; with ``score``, nuPlan's closed-loop score of finished episodes
+    (``episode/nuplan_score``, ``episode/nuplan/<metric>``) from a per-step trace of the metrics' inputs."""
+
+    env: NuplanEnv
+
+    def __init__(self, score: bool = True):
+        self.score = score
+
+    def bind(self, env: NuplanEnv) -> None:
+        super().bind(env)
+        # per-step trace for nuPlan's metrics: a ring buffer [B, L] per signal, written at column (steps - 1) % L
+        self.trace_len = env.num_frames + 2
+        self.trace = {k: torch.zeros(env.num_envs, self.trace_len, device=env.device,
+                                     dtype=torch.bool if k in ("multi_lane", "junction", "ttc") else torch.float32)
+                      for k in TRACE_KEYS}
+        self._rows = torch.arange(env.num_envs, device=env.device)
+
+    def episode_info(self, s: NuplanState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+        info = {"episode/scenario": s.scenario.float()}
+        if self.score:
             self._record_trace(s)
-            info.update(self._nuplan_scores(s, done, hard_t))
+            info.update(self._nuplan_scores(s, done, ending))
         return info
 
-    # ------------------------------------------------------------------ nuPlan closed-loop score
     def _record_trace(self, s: NuplanState) -> None:
         """Write this step's metric inputs into the ring buffers (batched tensor ops, no host sync)."""
-        w, dt = self.world, self.cfg.dt
+        env = self.env
+        w, dt = env.world, env.cfg.dt
         lane, _, lane_yaw, found, _ = lane_lookup(w, s.ego_xy)
-        corners = box_corners_t(s.ego_xy, s.ego_yaw, self.ego_half)  # [B, 4, 2]
+        corners = box_corners_t(s.ego_xy, s.ego_yaw, env.ego_half)  # [B, 4, 2]
         c_lane, c_lat, _, c_found, c_width = lane_lookup(w, corners)
         c_out = torch.where(c_found, (c_lat.abs() - c_width / 2).clamp(min=0.0),
                             torch.full_like(c_lat, OFF_LANE_M))
         junction = w.lane_junction[lane] & found
-        a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
+        a_xy, a_yaw, a_speed, a_half, a_valid = env.obstacles(s, include_ego=False)
         values = {
             "speed": s.ego_speed, "yaw": s.ego_yaw, "accel": s.ego_accel,
             "limit": torch.where(found, w.lane_speed[lane], torch.full_like(s.ego_speed, NO_SPEED_LIMIT)),
@@ -411,7 +373,7 @@ class NuplanEnv(SimEnv):
             "outside": c_out.max(-1).values,
             "multi_lane": (~c_found | (c_lane != lane.unsqueeze(-1))).any(-1),
             "junction": junction,
-            "ttc": nuplan_ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, self.ego_half, junction, a_xy, a_yaw,
+            "ttc": nuplan_ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, env.ego_half, junction, a_xy, a_yaw,
                                         a_speed, a_half, a_valid),
         }
         col = (s.steps - 1).clamp(min=0) % self.trace_len
@@ -423,7 +385,7 @@ class NuplanEnv(SimEnv):
         counts per class {vru, vehicle, object}."""
         counts = {"vru": 0, "vehicle": 0, "object": 0}
         ego_xy, ego_yaw = s.ego_xy[row], s.ego_yaw[row]
-        ego_half, ego_speed = self.ego_half[row], float(s.ego_speed[row])
+        ego_half, ego_speed = self.env.ego_half[row], float(s.ego_speed[row])
         classes = (("vehicle", s.veh.xy, s.veh.yaw, s.veh.half, s.veh.speed, s.veh.valid, False),
                    ("vru", s.ped.xy, s.ped.yaw, torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF), s.ped.speed,
                     s.ped.valid, False),
@@ -440,9 +402,10 @@ class NuplanEnv(SimEnv):
 
     def _nuplan_scores(self, s: NuplanState, done: Tensor, hard_t: Tensor) -> dict[str, Tensor]:
         """``episode/nuplan_score`` and ``episode/nuplan/<metric>`` of the finished rows (0 elsewhere)."""
-        out = {"episode/nuplan_score": torch.zeros(self.num_envs, device=self.device)}
+        env = self.env
+        out = {"episode/nuplan_score": torch.zeros(env.num_envs, device=env.device)}
         for k in NUPLAN_COMPONENTS:
-            out[f"episode/nuplan/{k}"] = torch.zeros(self.num_envs, device=self.device)
+            out[f"episode/nuplan/{k}"] = torch.zeros(env.num_envs, device=env.device)
         if not bool(done.any()):
             return out
         rows = torch.nonzero(done).flatten()
@@ -451,7 +414,7 @@ class NuplanEnv(SimEnv):
         collided = hard_t[rows][:, [HARD.index(k) for k in ("collision_vehicle", "collision_pedestrian",
                                                              "collision_static")]].any(-1).cpu().numpy()
         route_id, route_idx = s.route_id[rows], s.route_idx[rows]
-        ego_prog = self.world.route_cum[route_id, route_idx].cpu().numpy()
+        ego_prog = env.world.route_cum[route_id, route_idx].cpu().numpy()
         scen = s.scenario[rows].cpu().numpy()
         for i, row in enumerate(rows.tolist()):
             sc = self.scenario_score(row, {k: v[i] for k, v in tr.items()}, int(steps[i]), bool(collided[i]),
@@ -466,23 +429,24 @@ class NuplanEnv(SimEnv):
     def scenario_score(self, row: int, tr: dict[str, np.ndarray], steps: int, collided: bool, ego_progress: float,
                        scenario: int, s: NuplanState) -> M.ScenarioScore:
         """nuPlan's scenario score from one row's trace (chronological order restored from the ring buffer)."""
+        env = self.env
         n = max(1, min(steps, self.trace_len))
         end = (steps - 1) % self.trace_len + 1
         tr = {k: np.roll(v, -end)[-n:] for k, v in tr.items()}
         at_fault = self._at_fault_collisions(s, row, bool(tr["multi_lane"][-1] or tr["outside"][-1] > 0)) \
             if collided else {}
-        ratio = M.progress_ratio(ego_progress, float(self.expert_progress[scenario]))
+        ratio = M.progress_ratio(ego_progress, float(env.expert_progress[scenario]))
         mult = {"no_at_fault_collisions": M.collision_score(at_fault),
                 "drivable_area_compliance": M.drivable_area_compliance(tr["outside"][:, None]),
-                "driving_direction_compliance": M.driving_direction_compliance(tr["lane_prog"], self.cfg.dt),
+                "driving_direction_compliance": M.driving_direction_compliance(tr["lane_prog"], env.cfg.dt),
                 "making_progress": M.making_progress(ratio)}
         any_fault = sum(at_fault.values()) > 0
         weighted = {"ego_progress": ratio,
                     "time_to_collision": 0.0 if (any_fault or tr["ttc"].any()) else 1.0,
-                    "speed_limit": M.speed_limit_compliance(tr["speed"], tr["limit"], self.cfg.dt),
-                    "comfort": M.ego_is_comfortable(M.comfort_signals(tr["speed"], tr["yaw"], self.cfg.dt,
+                    "speed_limit": M.speed_limit_compliance(tr["speed"], tr["limit"], env.cfg.dt),
+                    "comfort": M.ego_is_comfortable(M.comfort_signals(tr["speed"], tr["yaw"], env.cfg.dt,
                                                                       accel=tr["accel"]))}
-        return M.ScenarioScore(self.scenario_tokens[scenario], self.scenario_types[scenario], mult, weighted)
+        return M.ScenarioScore(env.scenario_tokens[scenario], env.scenario_types[scenario], mult, weighted)
 
 
 def load_scenarios(opts: NuplanOptions, seed: int = 0) -> list[CachedScenario]:

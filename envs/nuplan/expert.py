@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
+from envs.nuplan.dynamics import MAX_ACCEL, MAX_DECEL, MAX_STEER, WHEELBASE
 
 LOOKAHEAD_FRAMES = 8  # 0.8 s ahead on the logged path
 MIN_LOOKAHEAD = 3.0  # m
@@ -15,8 +16,6 @@ POSITION_GAIN = 1.0  # 1/s²: acceleration per metre behind (or ahead of) the lo
 
 
 def make_expert(env):  # noqa: ANN001 - NuplanEnv (import cycle)
-    from envs.nuplan.env import MAX_ACCEL, MAX_DECEL, MAX_STEER, WHEELBASE
-
     def act(obs: dict[str, Tensor] | None = None) -> Tensor:
         s = env.state
         last = env.num_frames - 1

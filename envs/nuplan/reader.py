@@ -117,14 +117,17 @@ def find_logs(data_root: str | Path, split: str | None = None, log_names: Iterab
             raise NuplanDataError(f"split '{split}' not found under {root} (looked for nuplan-v1.1/splits/{split})")
     logs = sorted(p for p in base.rglob("*.db") if p.is_file())
     if log_names is not None:
-        wanted = list(log_names)
-        by_stem = {p.stem: p for p in logs}
-        missing = [n for n in wanted if n not in by_stem]
-        if missing:
-            raise NuplanDataError(f"log(s) not found under {base}: {', '.join(missing[:5])}"
-                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        logs = [by_stem[n] for n in wanted]
+        logs = select_named(list(log_names), {p.stem: p for p in logs}, NuplanDataError, f"log(s) not found under {base}")
     return logs
+
+
+def select_named(wanted: list[str], by_name: dict[str, Path], error: type[Exception], what: str) -> list[Path]:
+    """``by_name[n]`` for every wanted name, in order; the missing ones (the first five, and how many more) in one
+    ``error``."""
+    missing = [n for n in wanted if n not in by_name]
+    if missing:
+        raise error(f"{what}: {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return [by_name[n] for n in wanted]
 
 
 # ---------------------------------------------------------------------------------------------- scenario anchors

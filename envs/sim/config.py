@@ -1,18 +1,12 @@
 """Configuration of the built-in simulator: plain dataclasses, validated once with actionable errors."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
+from envs.config import Checks
 from envs.maps.procedural import ProceduralConfig
 from envs.sim.criteria import RULES
 from envs.reward import RewardConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key, the value and the fix."""
-
 
 @dataclass
 class SimConfig:
@@ -75,18 +69,20 @@ class SimConfig:
     off_road_fraction: float = 0.95
     reward: RewardConfig = field(default_factory=RewardConfig)
 
-    def validate(self) -> "SimConfig":
+    def validate(self, prefix: str = "env.options") -> "SimConfig":
+        """Check every value; all problems are raised together as one :class:`ConfigError` (keys under ``prefix``)."""
+        checks = Checks()
+
         def need(cond: bool, key: str, fix: str) -> None:
-            if not cond:
-                raise ConfigError(f"env.{key}={getattr(self, key)!r}: {fix}")
+            checks.need(cond, f"{prefix}.{key}={getattr(self, key)!r}: {fix}")
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
         need(not self.map_weights or len(self.map_weights) == len(self.maps), "map_weights",
-             f"give one weight per map of env.maps ({len(self.maps)} maps: {list(self.maps)}), or none for equal "
+             f"give one weight per map of env.options.maps ({len(self.maps)} maps: {list(self.maps)}), or none for equal "
              "weights")
         need(all(w >= 0 for w in self.map_weights) and (not self.map_weights or sum(self.map_weights) > 0),
              "map_weights", "weights must be >= 0 with a positive sum")
-        need(len(set(self.maps)) == len(self.maps), "maps", "name each map once (weight it with env.map_weights)")
+        need(len(set(self.maps)) == len(self.maps), "maps", "name each map once (weight it with env.options.map_weights)")
         need(0 <= self.route_junction_start <= 1, "route_junction_start", "must be a share in [0, 1]")
         need(self.route_turn_bias >= 0, "route_turn_bias", "must be >= 0 (0 = every successor equally likely)")
         need(self.traffic_density in ("fixed", "leaderboard"), "traffic_density",
@@ -114,30 +110,6 @@ class SimConfig:
         need(len(self.town_seeds) >= 1, "town_seeds", "give at least one seed")
         need(not set(self.town_seeds) & set(self.eval_town_seeds), "eval_town_seeds",
              "held-out towns must differ from town_seeds")
-        self.reward.validate("env.reward")
+        checks.run(self.reward.validate, f"{prefix}.reward")
+        checks.done()
         return self
-
-
-def from_dict(cls: type, values: dict[str, Any], prefix: str = "env") -> Any:
-    """Build a (nested) config dataclass from plain values, naming unknown keys and bad types."""
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        if key not in known:
-            raise ConfigError(f"{prefix}.{key}: unknown key; valid keys are {', '.join(sorted(known))}")
-        default = known[key].default if known[key].default is not dataclasses.MISSING else known[key].default_factory()
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}.{key}: expected a mapping of {type(default).__name__} fields")
-            value = from_dict(type(default), value, f"{prefix}.{key}")
-        elif isinstance(default, tuple) and isinstance(value, (list, tuple)):
-            value = tuple(value)
-        elif isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{prefix}.{key}={value!r}: expected true or false")
-        elif isinstance(default, (int, float)) and not isinstance(default, bool):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"{prefix}.{key}={value!r}: expected a number")
-            value = type(default)(value) if isinstance(default, float) else value
-        kwargs[key] = value
-    return cls(**kwargs)

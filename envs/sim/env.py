@@ -1,8 +1,9 @@
-"""The built-in batched driving simulator: ``B`` environments stepped in one call on one torch device.
+"""The simulator core: ``B`` environments stepped in one call on one torch device.
 
-One step: ego kinematic bicycle -> background actors (IDM vehicles, pedestrians) -> route progress and infraction
-checks -> CaRL's reward -> auto-reset of finished environments -> observation. Every stage is a batched tensor
-function; nothing loops over environments or actors.
+One step: the ego moves -> the other actors move -> route progress and infraction checks -> CaRL's reward ->
+auto-reset of finished environments -> observation. Every stage is a batched tensor function; nothing loops over
+environments or actors. How the world moves is up to the core's parts (:mod:`envs.sim.parts`): by default the
+built-in simulator's (kinematic bicycle, IDM traffic, light cycle); the CARLA and nuPlan backends assemble their own.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, BatchedEnv, StepResult, TensorSpec
+from envs.api import (BEV_CHANNELS, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
+                      VALUE_MEASUREMENTS, BatchedEnv, StepResult, TensorSpec)
 from envs.maps.lanegraph import LaneGraph, MapError
 from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
 from envs.maps.atlas import build_atlas
@@ -24,13 +26,12 @@ from envs.sim import agents, criteria, infractions
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
 from envs.sim.criteria import CriteriaState
-from envs.sim.geometry import wrap_angle
 from envs.sim.infractions import HARD, INFRACTIONS, TERMINAL_PENALTY
-from envs.sim.observation import CHANNELS, gear, measurements, render_bev, upcoming_stop_lines, value_measurements
-from envs.sim.world import World, build_world, light_state, map_cache_dir
+from envs.sim.observation import measurements, render_bev, upcoming_stop_lines, value_measurements
+from envs.sim.parts import (ActorSource, EgoDynamics, KinematicBicycle, LightCycle, LightSource, RouteStarts,
+                            SimTraffic, StartSource, StepHook)
+from envs.sim.world import World, build_world, map_cache_dir
 
-HISTORY = 15  # comfort history length (samples)
-RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
 TERMINATIONS = HARD + ("route_completed",)
 # Leaderboard mode: the events that end a route (the others are recorded and the route goes on)
 ROUTE_ENDING_LB = torch.tensor([k in ("route_deviation", "blocked", "timeout") for k in HARD])
@@ -94,17 +95,21 @@ def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> Wor
     return _WORLDS[key]
 
 
-def _map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int) -> list[Route]:
-    """The routes of one map: those of ``cfg.route_file`` for this town, else a seeded bank of random routes."""
+EVAL_ROUTE_SEED = 7919  # seed of the held-out random route bank (route_split=eval)
+
+
+def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
+               key: str = "env.options.map (or env.options.maps)", noun: str = "map") -> list[Route]:
+    """The routes of one map: those of ``cfg.route_file`` for this town, else a seeded bank of random routes
+    (``key``, ``noun``: the option that picks the map and what it calls it, for the error)."""
     if cfg.route_file:
         town = Path(name).stem
         routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
                   if t == town]
         if not routes:
-            raise MapError(f"route file {cfg.route_file} has no routes for map '{town}'; set env.map (or env.maps) "
-                           "to towns it uses")
+            raise MapError(f"route file {cfg.route_file} has no routes for {noun} '{town}'; set {key} to a {noun} it uses")
         return routes
-    seed = 7919 if cfg.route_split == "eval" else route_seed
+    seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
     return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
                          junction_start=cfg.route_junction_start)
 
@@ -121,11 +126,11 @@ def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World
     for k, name in enumerate(names):
         try:
             graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
-            routes_by_map.append(_map_routes(graph, name, cfg, route_seed))
+            routes_by_map.append(map_routes(graph, name, cfg, route_seed))
         except (MapError, RouteError) as exc:
             if not cfg.maps:
                 raise
-            raise type(exc)(f"env.maps[{k}]={name!r}: {exc}") from None
+            raise type(exc)(f"env.options.maps[{k}]={name!r}: {exc}") from None
         graphs.append(graph)
     if len(names) == 1:
         return build_world(graphs[0], routes_by_map[0], cfg, device)
@@ -159,10 +164,17 @@ def load_graph(cfg: SimConfig) -> LaneGraph:
 
 
 class SimEnv(BatchedEnv):
-    """CaRL's task in the built-in simulator. See ``docs/simulator.md`` for the model and its limits."""
+    """CaRL's task on the simulator core, with the parts that move the world (:mod:`envs.sim.parts`); the defaults
+    are the built-in simulator's (``docs/simulator.md``: the model and its limits).
+
+    ``state_type`` is the state dataclass the core builds (a subclass of :class:`SimState` carries the parts' own
+    per-row state); ``check_stop_lines=False`` turns off the red-light and stop-sign checks."""
 
     def __init__(self, cfg: SimConfig, num_envs: int, device: str | torch.device = "cpu", seed: int = 0,
-                 world: World | None = None):
+                 world: World | None = None, *, starts: StartSource | None = None,
+                 ego: EgoDynamics | None = None, actors: ActorSource | None = None, lights: LightSource | None = None,
+                 hooks: tuple[StepHook, ...] = (), state_type: type[SimState] = SimState,
+                 check_stop_lines: bool = True):
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs}: need at least one environment")
         self.cfg = cfg.validate()
@@ -180,54 +192,43 @@ class SimEnv(BatchedEnv):
         self.route_stride = cfg.route_stride or num_envs  # rows advance by this many routes
         self.next_route = self._first_routes()
         self._lb_ending = ROUTE_ENDING_LB.to(self.device)
-        bev = (len(CHANNELS), cfg.bev_size, cfg.bev_size)
+        bev = (len(BEV_CHANNELS), cfg.bev_size, cfg.bev_size)
         self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
-                                 OBS_MEASUREMENTS: TensorSpec((8,), torch.float32),
-                                 OBS_VALUE_MEASUREMENTS: TensorSpec((10,), torch.float32)}
+                                 OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32),
+                                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32)}
         self.state: SimState | None = None
-        self._steps = 0
+        self.state_type = state_type
+        self.check_stop_lines = check_stop_lines
+        self.starts = starts if starts is not None else RouteStarts()
+        self.ego = ego if ego is not None else KinematicBicycle()
+        self.actors = actors if actors is not None else SimTraffic()
+        self.lights = lights if lights is not None else LightCycle()
+        self.hooks = tuple(hooks)
+        for part in (self.starts, self.ego, self.actors, self.lights, *self.hooks):
+            part.bind(self)
 
     # ------------------------------------------------------------------ episode starts
     def _first_routes(self) -> Tensor:
         return (self.cfg.first_route + torch.arange(self.num_envs, device=self.device)) % self.world.num_routes
 
-    def _pick_routes(self, rows: Tensor) -> Tensor:
-        if self.cfg.route_split == "eval" or self.cfg.route_file:
-            return self.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
-        u = torch.rand(len(rows), generator=self.gen, device=self.device)  # each map by its weight
-        return torch.searchsorted(self.world.route_cdf, u, right=True).clamp(max=self.world.num_routes - 1)
-
     def _initial_state(self, rows: Tensor) -> SimState:
-        """Fresh episodes for environments ``rows`` (a state tree of ``len(rows)`` rows)."""
-        w, cfg, B, dev, g = self.world, self.cfg, len(rows), self.device, self.gen
-        route_id = self._pick_routes(rows)
-        p0 = w.route_pts[route_id, 0]
-        d = w.route_pts[route_id, 1] - p0
-        ego_xy, ego_yaw = p0, torch.atan2(d[:, 1], d[:, 0])
+        """Fresh episodes for environments ``rows`` (a state tree of ``len(rows)`` rows), built by the parts."""
+        B, dev = len(rows), self.device
         zeros = torch.zeros(B, device=dev)
         zi = torch.zeros(B, dtype=torch.long, device=dev)
-        veh = agents.spawn_vehicles(w, B, self.num_vehicles, ego_xy, w.route_map[route_id], g)
-        agents.respawn_vehicles(w, veh, ego_xy, route_id, zi, g, far=0.0, ahead=(15, 150), min_ego_dist=12.0)
-        veh.valid &= self._vehicle_slots(route_id)
-        near_idx = (torch.randint(20, 150, (B, self.num_pedestrians), generator=g, device=dev)
-                    ).clamp(max=(w.route_n[route_id] - 1).unsqueeze(1))
-        ped = agents.spawn_pedestrians(w, B, self.num_pedestrians,
-                                       w.route_pts[route_id.unsqueeze(1).expand_as(near_idx), near_idx], g)
-        ped.valid &= cfg.traffic & (torch.arange(self.num_pedestrians, device=dev) < cfg.num_pedestrians)
-        st = agents.spawn_statics(w, route_id, zi, self.num_statics, g)
-        st.valid &= cfg.traffic & (torch.arange(self.num_statics, device=dev) < cfg.num_statics)
-        cycle = 4 * (cfg.light_green + cfg.light_yellow + cfg.light_all_red)
-        return SimState(
-            ego_xy=ego_xy, ego_yaw=ego_yaw, ego_speed=zeros.clone(), ego_vel_local=torch.zeros(B, 2, device=dev),
-            gear=zeros + 1.0, last_action=torch.zeros(B, 3, device=dev),
-            route_id=route_id, route_idx=zi.clone(), rc=zeros.clone(), t=zeros.clone(), steps=zi.clone(),
-            still_time=zeros.clone(),
-            light_offset=torch.rand((B, max(1, w.num_junctions)), generator=g, device=dev) * cycle,
-            stop_done=torch.zeros(B, dtype=torch.bool, device=dev),
-            hist_speed=torch.zeros(B, HISTORY, device=dev), hist_yaw=ego_yaw.unsqueeze(1).repeat(1, HISTORY),
-            veh=veh, ped=ped, statics=st, reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
+        s = self.state_type(  # None: filled by the parts below
+            ego_xy=None, ego_yaw=None, ego_speed=None, ego_vel_local=None, gear=zeros + 1.0,
+            last_action=torch.zeros(B, 3, device=dev), route_id=self.starts.pick(rows), route_idx=zi.clone(),
+            rc=zeros.clone(), t=zeros.clone(), steps=zi.clone(), still_time=zeros.clone(), light_offset=None,
+            stop_done=torch.zeros(B, dtype=torch.bool, device=dev), hist_speed=None, hist_yaw=None,
+            veh=None, ped=None, statics=None, reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
             counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
             prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev))
+        self.starts.place(s, rows)
+        self.ego.reset(s, rows)
+        self.actors.reset(s, rows)
+        self.lights.reset(s, rows)
+        return s
 
     def reset(self, seed: int | None = None) -> dict[str, Tensor]:
         if seed is not None:
@@ -256,16 +257,21 @@ class SimEnv(BatchedEnv):
         action = action.clamp(-1.0, 1.0)  # documented clip
         s, w, cfg = self.state, self.world, self.cfg
         rcfg = cfg.reward
-        self._move_ego(s, action)
-        self._move_actors(s)
+        self.ego.step(s, action)
+        self.actors.step(s)
         s.t = s.t + cfg.dt
         s.steps = s.steps + 1
+        self.lights.step(s)
 
         # route completion, route deviation and lane relations
         leaderboard = cfg.rules == "leaderboard"
         c = s.crit
         new_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
-        stops_info = self._stop_lines(s, s.route_idx, new_idx)
+        if self.check_stop_lines:
+            stops_info = self._stop_lines(s, s.route_idx, new_idx)
+        else:
+            none = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
+            stops_info = none, none.clone()
         rc = infractions.route_completion(w, s.route_id, new_idx)
         completed = torch.zeros_like(rc, dtype=torch.bool)
         if leaderboard:  # RouteCompletionTest's success: beyond 99 % and within 10 m of the end counts as 100 %
@@ -329,7 +335,7 @@ class SimEnv(BatchedEnv):
             truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
 
         # soft penalties and the reward
-        a_xy, a_yaw, a_speed, a_half, a_valid = self._actors(s, include_ego=False)
+        a_xy, a_yaw, a_speed, a_half, a_valid = self.obstacles(s, include_ego=False)
         ttc = infractions.ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, self.ego_half, a_xy, a_yaw, a_speed, a_half,
                                         a_valid, rcfg.ttc_times)
         s.hist_speed = torch.cat((s.hist_speed[:, 1:], s.ego_speed.unsqueeze(1)), 1)
@@ -355,47 +361,19 @@ class SimEnv(BatchedEnv):
         if cfg.keep_final_obs:
             for k, v in self._observe(s, speed_limit=lane["speed_limit"]).items():
                 info[f"final_obs/{k}"] = v
+        for hook in self.hooks:
+            truncated = hook.end_step(s, terminated, truncated, info)
+            done = terminated | truncated
         # auto-reset finished environments, keep the traffic around the others alive
         if bool(done.any()):  # one host sync; skips building fresh episodes on most steps
             rows = torch.nonzero(done).flatten()
             assign_rows(s, rows, self._initial_state(rows))
             self._advance_route_assignment(done)
-        self._refresh_actors(s)
+        self.actors.refresh(s)
         obs = self._observe(s)
         return StepResult(obs, reward, terminated, truncated, info)
 
-    def _refresh_actors(self, s: SimState) -> None:
-        """Move far-away vehicles back near the ego; density around it changes slowly, so once a second."""
-        self._steps += 1
-        if self._steps % RESPAWN_EVERY == 0:
-            agents.respawn_vehicles(self.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.gen)
-            s.veh.valid &= self._vehicle_slots(s.route_id)
-
-    def _vehicle_slots(self, route_id: Tensor) -> Tensor:
-        """[B, A] bool: the vehicle slots in use on each row's map (its traffic density)."""
-        n = self.map_vehicles[self.world.route_map[route_id]]
-        return torch.arange(self.num_vehicles, device=self.device) < n.unsqueeze(1)
-
-    def _move_ego(self, s: SimState, action: Tensor) -> None:
-        """Kinematic bicycle (centre of gravity at mid-wheelbase); a1 > 0 throttle, a1 < 0 brake; no reverse."""
-        cfg = self.cfg
-        steer = action[:, 0]
-        throttle = action[:, 1].clamp(min=0.0)
-        brake = (-action[:, 1]).clamp(min=0.0)
-        v = s.ego_speed
-        acc = throttle * cfg.max_accel - brake * cfg.max_brake - 0.004 * v * v - 0.1 * (v > 0).float()
-        v_new = (v + acc * cfg.dt).clamp(min=0.0)
-        beta = torch.atan(0.5 * torch.tan(steer * cfg.max_steer))
-        v_mid = 0.5 * (v + v_new)
-        heading = s.ego_yaw + beta
-        s.ego_xy = s.ego_xy + torch.stack((torch.cos(heading), torch.sin(heading)), -1) * (v_mid * cfg.dt).unsqueeze(-1)
-        s.ego_yaw = wrap_angle(s.ego_yaw + v_mid / (cfg.wheelbase / 2) * torch.sin(beta) * cfg.dt)
-        s.ego_speed = v_new
-        s.ego_vel_local = torch.stack((torch.cos(beta), torch.sin(beta)), -1) * v_new.unsqueeze(-1)  # side slip
-        s.gear = gear(v_new)
-        s.last_action = torch.stack((steer, throttle, brake), -1)
-
-    def _actors(self, s: SimState, include_ego: bool, include_statics: bool = True) -> tuple[Tensor, ...]:
+    def obstacles(self, s: SimState, include_ego: bool, include_statics: bool = True) -> tuple[Tensor, ...]:
         """All actors as padded obstacle tensors: vehicles first, then (the ego,) pedestrians, (statics)."""
         p_half = torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF)
         p_speed = torch.where(s.ped.moving, s.ped.speed, torch.zeros_like(s.ped.speed))
@@ -408,18 +386,6 @@ class SimEnv(BatchedEnv):
             parts.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half,
                           s.statics.valid))
         return tuple(torch.cat(x, 1) for x in zip(*parts))
-
-    def _move_actors(self, s: SimState) -> None:
-        # parked obstacles stand at the kerb, off the lanes: lane-following vehicles never need to stop for them (on
-        # curves the straight leader corridor would sweep over them and hold vehicles there for good)
-        agents.step_vehicles(self.world, s.veh, self._actors(s, include_ego=True, include_statics=False),
-                             lambda g: self._lights(s, g),
-                             self.cfg, self.gen)
-        agents.step_pedestrians(self.world, s.ped, self.cfg.dt, self.gen)
-
-    def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
-        """Colour of light groups [B, N] now: the simulator's cycle model. Backends with real lights override it."""
-        return light_state(self.world, group, s.t, s.light_offset, self.cfg)
 
     def _stop_lines(self, s: SimState, old_idx: Tensor, new_idx: Tensor) -> tuple[Tensor, Tensor]:
         """Red-light and stop-sign runs: the ego's tail passes a stop line on its route (CaRL §1.4).
@@ -434,7 +400,7 @@ class SimEnv(BatchedEnv):
         crossed = (old_idx.unsqueeze(1) < line) & (new_idx.unsqueeze(1) >= line) & (w.route_ev_stop[s.route_id] >= 0)
         is_sign = w.stop_control[stop] == 2
         group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
-        state, _ = self._lights(s, group)
+        state, _ = self.lights.state(s, group)
         red = (crossed & ~is_sign & (state == 2)).any(1)
         # stop signs: the ego must have stood still within the last 4 m before the line
         near_line = ((ev_idx - new_idx.unsqueeze(1)) <= 4) & ((ev_idx - new_idx.unsqueeze(1)) >= -tail) & is_sign
@@ -470,6 +436,8 @@ class SimEnv(BatchedEnv):
         info["episode/infractions/min_speed"] = s.crit.ms_events.float()
         for i, name in enumerate(TERMINATIONS):
             info[f"episode/termination/{name}"] = ((first == i) & reason.any(-1)).float()
+        for hook in self.hooks:
+            info.update(hook.episode_info(s, done, hard_t, truncated))
         return info
 
     def _observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
@@ -478,7 +446,7 @@ class SimEnv(BatchedEnv):
         obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
                OBS_VALUE_MEASUREMENTS: value_measurements(self.world, s, self.cfg, self.cfg.reward)}
         if self.cfg.bev:
-            obs[OBS_BEV] = render_bev(self.world, s, self.cfg, lambda group: self._lights(s, group))
+            obs[OBS_BEV] = render_bev(self.world, s, self.cfg, lambda group: self.lights.state(s, group))
         else:
             spec = self.observation_spec[OBS_BEV]
             obs[OBS_BEV] = torch.zeros((1, *spec.shape), dtype=torch.uint8, device=self.device).expand(

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from envs.sim import agents, infractions
+from envs.sim.dynamics import DRAG, ROLLING
 from envs.sim.env import SimEnv
 from envs.sim.observation import upcoming_stop_lines
 from envs.sim.geometry import to_local, wrap_angle
@@ -57,7 +58,7 @@ class Expert:
         v0 = limit * self.speed_fraction
         v0 = torch.where(turning, v0.clamp(max=TURN_SPEED), v0)
         # --- obstacles near the path
-        a_xy, a_yaw, a_speed, a_half, a_valid = env._actors(s, include_ego=False)
+        a_xy, a_yaw, a_speed, a_half, a_valid = env.obstacles(s, include_ego=False)
         a_dir = torch.stack((torch.cos(a_yaw), torch.sin(a_yaw)), -1)
         future = a_xy + a_dir * (a_speed * 1.5).unsqueeze(-1)
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 0.5  # [B,N]
@@ -78,7 +79,7 @@ class Expert:
         ahead = (ev_idx - s.route_idx.unsqueeze(1)).float()
         is_sign = w.stop_control[stop] == 2
         group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
-        state, _ = env._lights(s, group)
+        state, _ = env.lights.state(s, group)
         to_line = ahead - env.ego_half[:, :1]  # nose to line
         can_stop = to_line > v.unsqueeze(1) ** 2 / (2 * 4.0) - 0.5
         must = near & (ahead > -1.0) & (((state == 2) | ((state == 1) & can_stop)) & ~is_sign
@@ -89,7 +90,7 @@ class Expert:
         gap = torch.minimum(gap, line_gap)
         lead_v = torch.where(stop_first, torch.zeros_like(lead_v), lead_v)
         acc = agents.idm_accel(v, v0, gap.clamp(min=0.05), v - lead_v)
-        drag = 0.004 * v * v + 0.1 * (v > 0).float()
+        drag = DRAG * v * v + ROLLING * (v > 0).float()  # the ego model's resistance, made up for by throttle
         lon = torch.where(acc + drag >= 0, (acc + drag) / cfg.max_accel, acc / cfg.max_brake)
         # hold still at a standstill when the way is not clear
         lon = torch.where((gap < 1.0) & (v < 0.5), torch.full_like(lon, -1.0), lon)

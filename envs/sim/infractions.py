@@ -25,6 +25,7 @@ INFRACTIONS = ("collision_vehicle", "collision_pedestrian", "collision_static", 
                "off_road", "route_deviation", "blocked", "timeout", "speeding", "ttc", "comfort", "outside_lanes")
 HARD = INFRACTIONS[:9]
 TERMINAL_PENALTY = ("collision_vehicle", "collision_pedestrian", "collision_static", "red_light")
+HISTORY = 15  # samples of ego speed and yaw kept for the comfort metrics (newest last)
 RC_WINDOW = 2  # RouteCompletionTest: the next 3 route points (window 2)
 DEVIATION_WINDOW = 5  # InRouteTest: the nearest of the next 6 route points
 WRONG_WAY_LANE_CHANGE = math.radians(150)  # a lane change outside junctions with this lane-heading jump flips the direction
@@ -109,7 +110,7 @@ def savgol_kernel(window: int, order: int, deriv: int, dt: float) -> np.ndarray:
 
 
 def comfort_metrics(hist_speed: Tensor, hist_yaw: Tensor, count: Tensor, dt: float) -> tuple[Tensor, ...]:
-    """Six comfort metrics from the 15-sample history (newest last), Savitzky-Golay smoothed as in CaRL.
+    """Six comfort metrics from the ``HISTORY``-sample history (newest last), Savitzky-Golay smoothed as in CaRL.
 
     Returns (lon_acc, lat_acc, jerk, lon_jerk, yaw_rate, yaw_acc); metrics whose window is not yet full are 0.
     """

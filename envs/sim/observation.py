@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from envs.api import BEV_CHANNELS
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
 from envs.reward import RewardConfig
@@ -12,8 +13,6 @@ from envs.sim.config import SimConfig
 from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
 from envs.sim.world import LightFn, World
 
-CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
-            "speed_signs", "static_objects", "shoulder")
 STATIC_LAYERS = {0: LAYER_ROAD, 2: LAYER_MARKINGS, 7: LAYER_SPEED_SIGNS, 9: LAYER_SHOULDER}
 MIN_HALF_EXTENT = 0.8  # CaRL draws actor boxes with at least 0.8 m half extent
 LIGHT_GREEN, LIGHT_RED = 80, 255  # int(0.315 * 255), 255
@@ -23,8 +22,6 @@ YELLOW_FACTOR, YELLOW_RAMP_S = 0.67, 3.0  # yellow is 0.67 * 255 = 170, ramping 
 LIGHT_BOXES = ((LIGHT_EMERGENCY, 22, (0.0, 0.0)), (LIGHT_LEFT_BLINKER, 44, (0.5, 0.5)),
                (LIGHT_RIGHT_BLINKER, 77, (0.5, -0.5)), (LIGHT_BRAKE, 111, (-1.5, 0.0)))
 LIGHT_BOX_HALF = 0.5
-# Automatic gearbox of the simulator's ego: upshift speeds (m/s). CARLA reports its own transmission's gear.
-GEAR_UP_SPEEDS = (6.0, 11.0, 16.0, 22.0)
 EVENT_WINDOW = (-20, 150)  # route points around the ego whose stop lines are drawn
 STOP_SIGN_RANGE = 20.0  # m ahead at which a stop sign becomes the target
 
@@ -46,7 +43,7 @@ def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     """Draw the 10 CaRL channels for every environment of the state ``s`` (an :class:`envs.sim.env.SimState`)."""
     bc = bev_config(cfg)
     B = s.ego_xy.shape[0]
-    out = torch.zeros(B, len(CHANNELS), bc.size, bc.size, dtype=torch.uint8, device=s.ego_xy.device)
+    out = torch.zeros(B, len(BEV_CHANNELS), bc.size, bc.size, dtype=torch.uint8, device=s.ego_xy.device)
     crop_static(world.raster, list(STATIC_LAYERS.values()), s.ego_xy, s.ego_yaw, bc, out=out,
                 out_channels=list(STATIC_LAYERS))
     pose = (s.ego_xy, s.ego_yaw, bc)
@@ -127,21 +124,18 @@ def _draw_vehicle_lights(canvas: Tensor, xy: Tensor, yaw: Tensor, lights: Tensor
     canvas.copy_(torch.where(scratch > 0, scratch, canvas))
 
 
-def gear(speed: Tensor) -> Tensor:
-    """The simulator's automatic gear (1 at standstill, up-shifting at GEAR_UP_SPEEDS)."""
-    return 1.0 + (speed.unsqueeze(-1) > torch.tensor(GEAR_UP_SPEEDS, device=speed.device)).sum(-1).float()
-
-
 def measurements(s, speed_limit: Tensor) -> Tensor:
-    """CaRL's 8 policy measurements: last steer/throttle/brake, gear, ego-frame velocity (forward, lateral), forward
-    speed, speed limit. Lateral quantities are positive to the left, like carl's steer (CaRL's CARLA frame: right)."""
+    """CaRL's 8 policy measurements (``envs.api.MEASUREMENTS``): last steer/throttle/brake, gear, ego-frame velocity
+    (forward, lateral), forward speed, speed limit. Lateral quantities are positive to the left, like carl's steer
+    (CaRL's CARLA frame: right)."""
     vx, v_left = s.ego_vel_local.unbind(-1)
     return torch.stack((s.last_action[:, 0], s.last_action[:, 1], s.last_action[:, 2], s.gear, vx, v_left,
                         vx, speed_limit), -1)
 
 
 def value_measurements(world: World, s, cfg: SimConfig, reward_cfg: RewardConfig) -> Tensor:
-    """CaRL's 10 critic-only values: time left, time until blocked, route left, penalty windows left."""
+    """CaRL's 10 critic-only values (``envs.api.VALUE_MEASUREMENTS``): time left, time until blocked, route left,
+    penalty windows left."""
     remaining = (world.route_n[s.route_id] - 1 - s.route_idx).float() / 100.0
     ttc = s.reward_state.ttc_ticks.float() / max(reward_cfg.ttc_penalty_ticks, 1)
     comfort = s.reward_state.comfort_ticks.float() / max(reward_cfg.comfort_penalty_ticks, 1)

@@ -11,14 +11,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from envs.api import BEV_CHANNELS
 from envs.sim.raster import BevConfig
 
 __all__ = ["BEV_CHANNELS", "BEV_COLOURS", "bev_to_rgb", "overlay_text", "write_frames"]
 
-# CaRL's 10 BEV channels, in order.
-BEV_CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
-                "speed_signs", "static_objects", "shoulder")
-# RGB colour of each channel at full intensity (value 255).
+# RGB colour of each channel of ``BEV_CHANNELS`` at full intensity (value 255).
 BEV_COLOURS = np.array([
     (90, 90, 90),  # road: grey
     (60, 120, 200),  # route: blue

@@ -12,12 +12,15 @@ What it does per simulation step:
 2. ``compute_planner_trajectory``: the devkit's ego state, tracked objects and traffic-light statuses are written
    into that env's state and the observation is built by the env's own (shared) code (:class:`ObservationBuilder`);
 3. the policy's actions drive nuPlan's kinematic bicycle model forward (:func:`rollout_trajectory`, the env's
-   :func:`~envs.nuplan.env.bicycle_step`) for the trajectory horizon; every ``replan_every`` steps the observation
+   :func:`~envs.nuplan.dynamics.bicycle_step`) for the trajectory horizon; every ``replan_every`` steps the observation
    is re-built at the predicted pose with the agents moved at constant velocity; the poses become the devkit's
    ``InterpolatedTrajectory``.
 
 The parts that do not need the devkit (:class:`ObservationBuilder`, :func:`rollout_trajectory`, :func:`route_path`)
 are tested on the synthetic dataset.
+
+It lives in :mod:`carl.deploy` because it joins the trainer's policy (:func:`carl.load_policy`) to the nuPlan
+backend's internals; ``envs`` never imports ``carl``.
 """
 from __future__ import annotations
 
@@ -30,8 +33,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from carl.bundle import load_policy
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario
-from envs.nuplan.env import NuplanEnv, NuplanOptions, bicycle_step, grid_shifts
+from envs.nuplan.config import NuplanOptions
+from envs.nuplan.dynamics import bicycle_step
+from envs.nuplan.env import NuplanEnv, grid_shifts
 from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import NuplanMap, load_location
 from envs.sim.agents import Pedestrians, Statics, Vehicles
@@ -162,7 +168,7 @@ class ObservationBuilder:
                 state[self.light_col[int(lc)]] = int(status)
         env.log_lights[0, 0] = state
         zero = torch.zeros(1, dtype=torch.long)
-        s.light_offset = env._light_offsets(zero, zero, s.t, s.light_offset)
+        s.light_offset = env.light_offsets(zero, zero, s.t, s.light_offset)
 
     def observe(self) -> dict[str, Tensor]:
         return self.env._observe(self.env.state)
@@ -210,8 +216,8 @@ except ImportError:  # pragma: no cover - depends on the installation
     _Base = object
     NUPLAN_AVAILABLE = False
 
-DEVKIT_MISSING = ("envs.nuplan.devkit_planner.CarlPlanner needs nuplan-devkit (import name `nuplan`), which is not on "
-                  "the package registry: git clone https://github.com/motional/nuplan-devkit && pip install -e "
+DEVKIT_MISSING = ("carl.deploy.nuplan_planner.CarlPlanner needs nuplan-devkit (import name `nuplan`), which is not "
+                  "on the package registry: git clone https://github.com/motional/nuplan-devkit && pip install -e "
                   "nuplan-devkit (use its own environment; see docs/nuplan.md)")
 
 
@@ -227,8 +233,6 @@ class CarlPlanner(_Base):  # type: ignore[misc, valid-type]
                  replan_every: int = 5, cache_dir: str | None = None) -> None:
         if not NUPLAN_AVAILABLE:
             raise ImportError(DEVKIT_MISSING)
-        from carl.bundle import load_policy
-
         self.policy, self.spec = load_policy(policy_path, device=device, deterministic=True)
         self.maps_root = maps_root or os.environ.get("NUPLAN_MAPS_ROOT")
         if not self.maps_root:

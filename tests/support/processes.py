@@ -1,5 +1,8 @@
 """Helpers for tests of the CARLA backend: a ``CarlaUE4.sh`` stand-in launcher, small fake executables, and a
-process census (``/proc``, Linux) to check that no process outlives the test that started it."""
+process census (``/proc``, Linux) to check that no process outlives the test that started it.
+
+Test support, not runtime code: it lives under ``tests/`` so that the installed ``envs`` package carries no test
+doubles."""
 from __future__ import annotations
 
 import os
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-STANDIN = Path(__file__).with_name("standin.py")
+STANDIN = Path(__file__).with_name("carla_standin.py")
 
 
 def write_script(path: Path, body: str) -> Path:
@@ -25,7 +28,8 @@ def standin_executable(folder: Path, xodr: str | Path, maps_dir: str | Path | No
                        extra: tuple[str, ...] = ()) -> Path:
     """A ``CarlaUE4.sh`` replacement that runs the protocol stand-in with the CARLA flags it is given.
 
-    It runs ``standin.py`` as a script (not ``-m envs.carla.standin``), which keeps torch out of the server process.
+    It runs ``carla_standin.py`` as a script by path, which keeps torch (and pytest's ``sys.path``) out of the server
+    process; the script adds the repository root to its own ``sys.path`` to import the map compiler from ``envs``.
     """
     args = [sys.executable, str(STANDIN), "--map", str(xodr), *extra]
     if maps_dir is not None:

@@ -12,7 +12,7 @@ period): the agent acts every ``control_period`` seconds of simulation time and 
 
 Run it with the official evaluator (``docs/carla.md``, "Leaderboard 2.0 evaluation")::
 
-    python leaderboard/leaderboard_evaluator.py --agent=envs/carla/leaderboard_agent.py \\
+    python leaderboard/leaderboard_evaluator.py --agent=carl/deploy/leaderboard_agent.py \\
         --agent-config=<bundle dir | checkpoint .pt | agent .yaml/.json> --track=MAP --routes=... --checkpoint=...
 
 ``--agent-config`` is a policy (bundle directory or training checkpoint) or a YAML/JSON file
@@ -20,6 +20,9 @@ Run it with the official evaluator (``docs/carla.md``, "Leaderboard 2.0 evaluati
 
 Only the leaderboard's base class needs the ``leaderboard`` package; everything else here works (and is tested)
 without it, so the agent can be driven by any loop that ticks a CARLA world (see the tests).
+
+It lives in :mod:`carl.deploy` because it joins the trainer's policy (:func:`carl.load_policy`) to the CARLA backend's
+internals; ``envs`` never imports ``carl``.
 """
 from __future__ import annotations
 
@@ -33,14 +36,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from carl.bundle import load_policy
 from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, fill_vehicles, graph_from_xodr,
                                 is_emergency, vehicle_lights)
-from envs.carla.worker import CarlaLights, split_action, vehicle_control
+from envs.carla.worker import CarlaLights, CarlaLightSource, split_action, vehicle_control
 from envs.maps.opendrive import carla_to_world
 from envs.routes import plan_route
 from envs.sim import infractions
-from envs.sim.config import SimConfig, from_dict
-from envs.sim.env import SimEnv, SimState
+from envs.config import from_dict
+from envs.sim.config import SimConfig
+from envs.sim.env import SimEnv
 from envs.sim.world import build_world
 
 log = logging.getLogger(__name__)
@@ -111,16 +116,12 @@ class CarlaMirror(SimEnv):
         graph = graph_from_xodr(cworld.get_map().to_opendrive(), town, cfg.cache_dir)
         route = plan_route(graph, np.asarray(keypoints, np.float64), name=f"{town}_leaderboard")
         world = build_world(graph, [route], cfg, torch.device(device))
-        super().__init__(cfg, 1, device, 0, world=world)
+        self.light_src = CarlaLights(world, cworld, torch.device(device), carla_lights, "leaderboard agent")
+        super().__init__(cfg, 1, device, 0, world=world, lights=CarlaLightSource(self.light_src))
         self.cworld = cworld
-        self.light_src = CarlaLights(world, cworld, self.device, carla_lights, "leaderboard agent")
         self.state = self._initial_state(torch.arange(1, device=self.device))
         self.state.statics.valid = torch.zeros_like(self.state.statics.valid)  # level geometry in CARLA
         self._started = False
-
-    def _lights(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
-        out = self.light_src(group)
-        return out if out is not None else super()._lights(s, group)
 
     def read(self, hero: Any) -> None:
         """Ego, vehicles and walkers of the current snapshot into the state (the worker's conversion)."""
@@ -192,8 +193,6 @@ class CarlAgent(AutonomousAgent):
     control_period = 0.1  # seconds between policy actions (the training step); controls repeat in between
 
     def setup(self, path_to_conf_file: str, *_: Any, **__: Any) -> None:
-        from carl import load_policy  # noqa: PLC0415 - the trainer package is needed only here
-
         if HAVE_LEADERBOARD:
             self.track = Track.MAP
         conf = read_agent_config(path_to_conf_file)

@@ -4,7 +4,7 @@ This process exists only to test our CARLA integration (the env worker, the serv
 unmodified ``carla==0.9.16`` client where no CARLA server can run (CI, laptops). It does not replace CARLA: there is
 no rendering, no sensors, no collision physics, no walker navigation and no CARLA Traffic Manager behaviour beyond
 applying the controls the client-side TM sends. Vehicles move with the built-in simulator's kinematic bicycle
-(``envs/sim/env.py``, default ``SimConfig`` constants) so that a policy sees the same first observations here and in
+(``envs/sim/dynamics.py``, its default car) so that a policy sees the same first observations here and in
 the built-in simulator; walkers move in a straight line with their last ``WalkerControl``. Traffic lights: one
 ``traffic.traffic_light`` actor per signalised stop line of the map (the simulator's light groups and phases),
 cycling green -> yellow -> red per junction phase on simulation time; ``set_state`` / ``freeze`` work. Vehicle light
@@ -21,8 +21,12 @@ per stream on the streaming port (the client sends the 4-byte stream id, then re
 The world state is the "episode state" stream (sensor type 17): a 48-byte sensor header, a 36-byte episode header and
 119 bytes per actor. The binary layouts are specific to the 0.9.16 client.
 
-Run: ``python -m envs.carla.standin --port 2000 --map Town01.xodr`` (also accepts ``CarlaUE4.sh`` flags such as
-``-carla-rpc-port=2000 -carla-streaming-port=2001``, so it can stand in for the executable in the server manager).
+A test-only tool, not part of the installed packages: run it from a repository checkout, as
+``python tests/support/carla_standin.py --port 2000 --map Town01.xodr`` (or ``python -m tests.support.carla_standin``
+from the repository root). It also accepts ``CarlaUE4.sh`` flags such as ``-carla-rpc-port=2000
+-carla-streaming-port=2001``, so it can stand in for the executable in the server manager
+(``tests.support.processes.standin_executable``). Run by path, it puts the repository root on ``sys.path`` itself to
+import the map compiler from ``envs`` (numpy only, no torch).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 
 log = logging.getLogger("carla-standin")
 
@@ -52,9 +57,6 @@ SPECTATOR_ID = 1
 FIRST_ACTOR_ID = 100
 # WorldSettings defaults (0.9.16 field order)
 DEFAULT_SETTINGS = [False, False, [False], False, 0.01, 10, 0.0, True, 3000.0, 2000.0, False]
-# kinematic bicycle: the built-in simulator's SimConfig defaults (envs/sim/config.py)
-MAX_STEER, WHEELBASE, MAX_ACCEL, MAX_BRAKE = 0.6, 2.9, 4.0, 8.0
-GEAR_UP_SPEEDS = (6.0, 11.0, 16.0, 22.0)  # the simulator's automatic gearbox (envs/sim/observation.py)
 SPEED_LIMIT_KMH = 30.0
 ATTR_BOOL, ATTR_INT, ATTR_FLOAT, ATTR_STRING = 1, 2, 3, 4  # attribute type codes on the 0.9.16 wire
 # traffic lights: carla.TrafficLightState codes, and the stand-in's cycle (seconds) per junction phase
@@ -63,6 +65,13 @@ TL_GREEN_TIME, TL_YELLOW_TIME, TL_ALL_RED_TIME = 10.0, 3.0, 1.0
 TL_TAG = b"\x12"  # semantic tag 18 = TrafficLight
 CMD_SET_VEHICLE_LIGHT_STATE = 18  # carla::rpc::Command variant index of SetVehicleLightState [id, u32 flags] (0.9.16)
 PARENT_POLL_S = 0.25
+REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/carla_standin.py -> the checkout holding envs/
+if str(REPO_ROOT) not in sys.path:  # run as a script, sys.path holds tests/support only
+    sys.path.insert(0, str(REPO_ROOT))
+
+from envs.sim.dynamics import GEAR_UP_SPEEDS, Car, bicycle_step  # noqa: E402 - needs the path above; no torch
+
+CAR = Car()  # vehicles drive as the built-in simulator's ego with its default car
 
 
 def _attr(name: str, kind: int, value: str, recommended: list[str] | None = None, modifiable: bool = False) -> list:
@@ -135,17 +144,11 @@ class Actor:
             return
         throttle, steer, brake = (float(v) if v == v else 0.0 for v in self.control[:3])  # NaN -> 0
         steer_ours = -max(-1.0, min(1.0, steer))  # CARLA steers right for positive values; our frame is mirrored
-        v = self.speed
-        acc = throttle * MAX_ACCEL - brake * MAX_BRAKE - 0.004 * v * v - 0.1 * (v > 0)
-        v_new = max(0.0, v + acc * dt)
-        beta = math.atan(0.5 * math.tan(steer_ours * MAX_STEER))
-        v_mid = 0.5 * (v + v_new)
-        yaw_ours = -math.radians(self.yaw)
-        heading = yaw_ours + beta
-        x_ours, y_ours = self.x + math.cos(heading) * v_mid * dt, -self.y + math.sin(heading) * v_mid * dt
-        yaw_ours = yaw_ours + v_mid / (WHEELBASE / 2) * math.sin(beta) * dt
+        xy, yaw_ours, speed, slip = bicycle_step(np, CAR, np.array([self.x, -self.y]), -math.radians(self.yaw),
+                                                 self.speed, steer_ours, throttle, brake, dt)
         yaw_ours = (yaw_ours + math.pi) % (2 * math.pi) - math.pi
-        self.x, self.y, self.yaw, self.speed, self.slip = x_ours, -y_ours, -math.degrees(yaw_ours), v_new, beta
+        self.x, self.y, self.yaw = float(xy[0]), -float(xy[1]), -math.degrees(yaw_ours)
+        self.speed, self.slip = float(speed), float(slip)
 
     def gear(self) -> int:
         """The gear CARLA reports in the vehicle's control: the client's with manual shifting, else the automatic
@@ -238,9 +241,6 @@ def map_lights(xodr: Path, first_id: int) -> list[TrafficLight]:
     """One light per signalised stop line of the town, from the simulator's compiled map (its light groups).
 
     Imports the map compiler from this repository (numpy and the offline ``carla.Map``; no torch)."""
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
     from envs.maps.lanegraph import CONTROL_LIGHT  # noqa: PLC0415
     from envs.maps.opendrive import load_town  # noqa: PLC0415
 
@@ -659,7 +659,7 @@ def _normalise_carla_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m envs.carla.standin")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python tests/support/carla_standin.py")
     p.add_argument("--port", type=int, default=2000, help="RPC port (CARLA's -carla-rpc-port)")
     p.add_argument("--streaming-port", type=int, default=None, help="streaming port (default: RPC port + 1)")
     p.add_argument("--map", required=True, help="OpenDRIVE file of the town loaded at start")

@@ -1,0 +1,142 @@
+"""``carl-eval`` / ``python -m carl.eval``: benchmark a policy and write Leaderboard-style results.
+
+Usage::
+
+    carl-eval policy=expert benchmark=towns
+    carl-eval policy=runs/quick-20250101-120000/best.pt benchmark=longest6 baselines=true
+    carl-eval policy=bundles/quick benchmark=longest6 benchmark.towns=[Town01,Town02] out_dir=runs/eval/mine
+    carl-eval policy=random benchmark=towns benchmark.num_routes=4 overwrite=true
+    carl-eval --cfg policy=expert                     # print the composed config and exit
+
+``policy`` is ``expert`` (the backend's rule-based expert, privileged state), ``random`` (uniform actions), a
+training checkpoint (``.pt``) or a bundle directory (``carl-export``); learned policies act deterministically (the
+Beta mean). Benchmarks (``conf/benchmark/*.yaml``) list route groups; each group is one batched env whose rows
+drive all its routes in parallel (longest6: one group per town).
+
+Output folder (``out_dir``, default ``runs/eval/<benchmark>-<policy>``)::
+
+    results.json         Leaderboard 2.0 layout: _checkpoint.records (one per route, written as each finishes)
+    summary.json         aggregates (DS, RC, IS, infractions per km, routes = the routes run)
+    summary.md / .csv    the policy beside the random policy and the expert (baselines=true)
+    score_per_route.png, infractions.png
+    videos/<route>.gif   BEV of the worst routes (re-driven)
+    baselines/<name>/    the baselines' own result folders
+
+Re-running the same command resumes: finished routes are kept, a group whose routes all finished is skipped. A
+folder holding results of another policy or benchmark is refused unless ``overwrite=true``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from carl.bundle import BundleError
+from carl.checkpoint import CheckpointError
+from carl.cli import command_line, fail, print_config
+from carl.config import ConfigError, compose
+from carl.eval import EvalError
+from carl.eval.benchmarks import resolve_benchmark
+from carl.eval.loop import evaluate_policy
+from carl.eval.policies import BASELINES, PolicySource, resolve_policy
+from carl.eval.report import plot_infractions, plot_scores, record_worst, write_tables
+
+# top-level shortcuts for benchmark keys: carl-eval benchmark=val14 env=nuplan reactive=true data_root=...
+SHORTCUTS = {"env": "++benchmark.env", "reactive": "++benchmark.reactive",
+             "data_root": "++benchmark.options.data_root", "cache_dir": "++benchmark.options.cache_dir"}
+
+
+@dataclass
+class EvalConfig:
+    """``carl-eval``'s keys and defaults (``conf/eval.yaml`` picks the benchmark)."""
+
+    policy: str = "expert"  # expert | random | <checkpoint .pt> | <bundle dir from carl-export>
+    out_dir: str | None = None  # default runs/eval/<benchmark>-<policy>
+    overwrite: bool = False  # replace results of another policy/benchmark in out_dir (never done silently)
+    baselines: bool = False  # also evaluate the random policy and the expert (out_dir/baselines/<name>)
+    device: str = "cpu"  # cpu | cuda | cuda:N (env and policy)
+    seed: int = 0  # traffic seed of every route group
+    torch_threads: int = 0  # 0 = PyTorch's default
+    worst_videos: int = 3  # BEV GIFs of the N lowest-scoring routes (0 = none)
+    video_max_frames: int = 600  # at most this many 0.1 s frames per video
+    benchmark: dict[str, Any] = field(default_factory=dict)  # conf/benchmark/<name>.yaml (route groups, env options)
+
+
+def load(overrides: list[str]) -> dict[str, Any]:
+    """``conf/eval.yaml`` + ``overrides`` over :class:`EvalConfig`, as plain values."""
+    from omegaconf import OmegaConf
+
+    cfg = compose(overrides, "eval", schemas={"eval_schema": EvalConfig}, groups=("benchmark",))
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    return data
+
+
+def default_out_dir(bench: str, policy: PolicySource) -> Path:
+    safe = policy.name.replace("/", "-")
+    return Path("runs") / "eval" / f"{bench}-{safe}"
+
+
+def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole ``carl-eval`` job for a composed config; returns the policy's summary."""
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg["torch_threads"]))
+    device = torch.device(cfg.get("device") or "cpu")
+    bench = resolve_benchmark(cfg["benchmark"])
+    policy = resolve_policy(str(cfg["policy"]), device)
+    out_dir = Path(cfg["out_dir"]) if cfg.get("out_dir") else default_out_dir(bench.name, policy)
+    seed, overwrite = int(cfg.get("seed", 0)), bool(cfg.get("overwrite", False))
+    log(f"carl-eval: policy {policy.name} | benchmark {bench.name} ({bench.num_routes} routes in {len(bench.groups)} "
+        f"groups, env {bench.env}) | out {out_dir}")
+    if bench.note:
+        log(bench.note)
+    summary, records = evaluate_policy(policy, bench, out_dir, device, seed, overwrite, log)
+
+    summaries = {policy.name: summary}
+    if cfg.get("baselines"):
+        for name in BASELINES:
+            if name == policy.kind:
+                continue
+            base, _ = evaluate_policy(resolve_policy(name, device), bench, out_dir / "baselines" / name, device, seed,
+                                      overwrite, log)
+            summaries[name] = base
+    title = f"{bench.name} ({bench.env}): {summary['routes']}/{bench.num_routes} routes"
+    write_tables(summaries, out_dir, title)
+    if records:
+        plot_scores(records, out_dir / "score_per_route.png", f"{policy.name} on {bench.name}")
+        plot_infractions(summary, out_dir / "infractions.png", f"{policy.name} on {bench.name}")
+        record_worst(records, bench, policy, device, seed, int(cfg.get("worst_videos", 0)),
+                     int(cfg.get("video_max_frames", 600)), out_dir, log)
+    log((out_dir / "summary.md").read_text())
+    log(f"results: {out_dir / 'results.json'}  summary: {out_dir / 'summary.json'}")
+    return summary
+
+
+def expand_shortcuts(overrides: list[str]) -> list[str]:
+    """``env=``, ``reactive=``, ``data_root=``, ``cache_dir=`` -> the benchmark keys they stand for."""
+    out = []
+    for a in overrides:
+        key, eq, value = a.partition("=")
+        out.append(f"{SHORTCUTS[key]}={value}" if eq and key in SHORTCUTS else a)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``carl-eval`` command: exit code 0, 2 for bad input (the message names the key or file), 130 on Ctrl-C."""
+    from envs.maps.lanegraph import MapError
+    from envs.routes import RouteError
+
+    overrides, print_cfg = command_line(argv, __doc__)
+    try:
+        cfg = load(expand_shortcuts(overrides))
+        if print_cfg:
+            print_config(cfg)
+        run(cfg)
+    except (ConfigError, EvalError, CheckpointError, BundleError, RouteError, MapError) as exc:
+        fail("carl-eval error", exc)
+    except KeyboardInterrupt:
+        fail("\ninterrupted", "finished routes are in results.json; re-run the same command to resume", 130)
+    sys.exit(0)

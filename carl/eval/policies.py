@@ -1,0 +1,101 @@
+"""Policies to evaluate: the baselines (uniform random actions, the backend's rule-based expert) and learned
+policies (a training checkpoint or a bundle), resolved from carl-eval's ``policy=`` into a :class:`PolicySource`.
+
+A *policy factory* takes the eval env and returns a *policy callable* ``obs dict -> action tensor [B, 2]`` (the
+expert needs the env for privileged state; the others ignore it).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from carl.bundle import PolicyFn, load_policy, sha256_file
+from carl.eval import EvalError
+from envs.api import BatchedEnv
+
+PolicyFactory = Callable[[BatchedEnv], PolicyFn]
+BASELINES = ("random", "expert")
+
+
+def random_policy(env: BatchedEnv) -> PolicyFn:
+    """Uniform actions in [-1, 1]^2 (the floor any learned policy should beat)."""
+    gen = torch.Generator(device="cpu").manual_seed(12345)
+
+    def act(obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (torch.rand(env.num_envs, 2, generator=gen) * 2 - 1).to(env.device)
+
+    return act
+
+
+def expert_factory(backend: str) -> PolicyFactory | None:
+    """The backend's rule-based expert, if it ships one (hook: ``envs.<backend>.expert.make_expert(env)`` or ``Expert(env)``).
+
+    Returns None when the module or the function is absent, so callers just skip the expert column.
+    """
+    try:
+        module = importlib.import_module(f"envs.{backend}.expert")
+    except ImportError:
+        return None
+    for name in ("make_expert", "Expert", "expert_policy", "ExpertPolicy"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn  # type: ignore[return-value]
+    return None
+
+
+@dataclass
+class PolicySource:
+    """What ``policy=`` named: a baseline or a learned policy (with its spec)."""
+
+    name: str  # display name: expert, random, or the checkpoint/bundle name
+    kind: str  # expert | random | learned
+    identity: dict[str, Any]  # kind + weights hash; another identity in the same results folder is refused
+    path: str | None = None  # resolved checkpoint/bundle path (informative: a moved bundle is the same policy)
+    loaded: Any = None  # carl.bundle.LoadedPolicy
+    spec: dict[str, Any] | None = None
+
+    def env_options(self) -> dict[str, Any]:
+        """Env options this policy needs: the BEV geometry it was trained on (baselines need no BEV)."""
+        if self.spec is None:
+            return {"bev": False}
+        g = self.spec["bev_geometry"]
+        return {"bev": True, "bev_size": g["bev_size"], "bev_ppm": g["bev_ppm"],
+                "bev_ego_from_bottom": g["bev_ego_from_bottom"]}
+
+    def make(self, env: BatchedEnv, backend: str) -> PolicyFn:
+        """The callable for ``env`` (the expert reads the env's privileged state)."""
+        if self.kind == "random":
+            return random_policy(env)
+        if self.kind == "expert":
+            factory = expert_factory(backend)
+            if factory is None:
+                raise EvalError(f"env={backend} has no rule-based expert (envs.{backend}.expert)")
+            return factory(env)
+        self._check_obs(env)
+        return self.loaded
+
+    def _check_obs(self, env: BatchedEnv) -> None:
+        assert self.spec is not None
+        for key, want in self.spec["observations"].items():
+            have = env.observation_spec.get(key)
+            if have is None or list(have.shape) != list(want["shape"]):
+                raise EvalError(f"policy {self.path} expects {key} of shape {want['shape']}, the "
+                                f"benchmark env gives {None if have is None else list(have.shape)}")
+
+
+def resolve_policy(arg: str, device: torch.device) -> PolicySource:
+    """``expert`` | ``random`` | checkpoint file | bundle directory -> :class:`PolicySource`."""
+    if arg in BASELINES:
+        return PolicySource(arg, arg, {"kind": arg})
+    path = Path(arg)
+    if not path.exists():
+        raise EvalError(f"policy={arg}: no such file or folder; use expert, random, a checkpoint .pt or a bundle dir")
+    loaded, spec = load_policy(path, device=device, deterministic=True)
+    weights = path / spec["files"]["weights"] if path.is_dir() else path
+    name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
+    identity = {"kind": "bundle" if path.is_dir() else "checkpoint", "sha256": sha256_file(weights)}
+    return PolicySource(name, "learned", identity, path=str(path.resolve()), loaded=loaded, spec=spec)

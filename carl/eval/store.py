@@ -1,0 +1,185 @@
+"""Results: aggregates over episodes and route records, and the resumable results folder of one policy on one
+benchmark (:class:`ResultStore`: ``results.json`` in the Leaderboard 2.0 layout, :mod:`envs.metrics.leaderboard`).
+
+Aggregates are Leaderboard-style: mean driving score, route completion and infraction score over routes (with
+sample standard deviations), infractions per km (sum of counts / km driven); Val14 adds nuPlan's closed-loop score.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from carl.eval import EvalError
+from carl.monitor import EpisodeStats
+from envs.metrics.leaderboard import LB_RECORD_KEYS, GlobalScores, results_file
+
+# summary key -> the route record's score key
+SUMMARY_SCORES = (("driving_score", "score_composed"), ("route_completion", "score_route"),
+                  ("infraction_score", "score_penalty"))
+
+
+def _json_safe(obj: Any) -> Any:
+    """NaN/inf (e.g. the means of zero finished episodes) become null so the file is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_result(result: dict[str, Any], path: str | Path) -> Path:
+    """Write ``result`` as JSON atomically (tmp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_json_safe(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any]:
+    """Leaderboard-style means over episodes (+ per-km infractions, termination reasons)."""
+    stats = EpisodeStats()
+    for ep in episodes:
+        stats.add_episode(ep)
+    summary = stats.summary()
+    result: dict[str, Any] = {
+        "driving_score": summary.get("episode/driving_score", float("nan")),
+        "route_completion": summary.get("episode/route_completion", float("nan")),
+        "infraction_score": summary.get("episode/infraction_score", float("nan")),
+        "return": summary.get("episode/return", float("nan")),
+        "episodes": len(episodes),
+        "unfinished": requested - len(episodes),
+        "infractions_per_km": {},
+        "termination": {},
+    }
+    for key, val in summary.items():
+        if key.startswith("episode/infractions_per_km/"):
+            result["infractions_per_km"][key.rsplit("/", 1)[1]] = val
+        elif key.startswith("episode/termination/"):
+            result["termination"][key.rsplit("/", 1)[1]] = val
+        elif key.startswith("episode/") and key not in ("episode/count",) and "/infractions/" not in key:
+            result.setdefault("means", {})[key[len("episode/"):]] = val
+    return result
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    m = sum(values) / len(values)
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, sd
+
+
+def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """Aggregates as the Leaderboard computes them (means over routes; infractions per km driven)."""
+    result = aggregate([r["carl"]["episode"] for r in records], total)
+    result["routes"] = len(records)
+    result["routes_total"] = total
+    for key, score in SUMMARY_SCORES:
+        mean, sd = _mean_std([r["scores"][score] for r in records])
+        result[key], result[f"{key}_std"] = mean, sd
+    km = sum((r["meta"]["route_length"] or 0.0) / 1000.0 * r["scores"]["score_route"] / 100.0 for r in records)
+    result["km"] = km
+    result["infractions_per_km_lb"] = {
+        key: (sum(len(r["infractions"].get(key, [])) for r in records) / km if km > 0 else None)
+        for key in LB_RECORD_KEYS}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(r["carl"]["group"], []).append(r)
+    result["groups"] = {g: {"routes": len(rs),
+                            "driving_score": _mean_std([r["scores"]["score_composed"] for r in rs])[0],
+                            "route_completion": _mean_std([r["scores"]["score_route"] for r in rs])[0],
+                            "infraction_score": _mean_std([r["scores"]["score_penalty"] for r in rs])[0]}
+                        for g, rs in sorted(groups.items())}
+    return result
+
+
+def nuplan_record_fields(ep: dict[str, float], scenario_type: str) -> dict[str, Any]:
+    """A Val14 record's ``nuplan`` field from the env's ``episode/nuplan_score`` and ``episode/nuplan/<metric>``."""
+    from envs.metrics.nuplan import MULTIPLIERS, WEIGHTS
+
+    return {"score": ep.get("episode/nuplan_score"), "scenario_type": scenario_type,
+            "multipliers": {k: ep.get(f"episode/nuplan/{k}") for k in MULTIPLIERS},
+            "weighted": {k: ep.get(f"episode/nuplan/{k}") for k in WEIGHTS}}
+
+
+def nuplan_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Val14 aggregates from the records' ``nuplan`` fields: closed-loop score (mean scenario score × 100), the
+    per-metric means, per-type scores."""
+    from envs.metrics.nuplan import ScenarioScore, aggregate as nuplan_aggregate
+
+    scores = [ScenarioScore(r["route_id"], r["nuplan"]["scenario_type"], r["nuplan"]["multipliers"],
+                            r["nuplan"]["weighted"]) for r in records if "nuplan" in r]
+    agg = nuplan_aggregate(scores)
+    return {"closed_loop_score": 100.0 * agg["score"] if scores else None,
+            "nuplan_metrics": {k[len("metric/"):]: v for k, v in agg.items() if k.startswith("metric/")},
+            "nuplan_types": {k[len("type/"):]: 100.0 * v for k, v in agg.items() if k.startswith("type/")}}
+
+
+class ResultStore:
+    """``results.json`` of one policy on one benchmark; each finished route is written at once (atomically)."""
+
+    OUTPUTS = ("results.json", "summary.json", "summary.md", "summary.csv", "score_per_route.png",
+               "infractions.png", "videos", "baselines")
+
+    def __init__(self, out_dir: Path, identity: dict[str, Any], total: int, overwrite: bool) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / "results.json"
+        self.identity = identity
+        self.total = total
+        existing = self._load(overwrite)
+        if not overwrite:
+            if existing is not None and existing.get("carl") != identity:
+                raise EvalError(
+                    f"{out_dir} already holds results of another evaluation:\n  found    {json.dumps(existing.get('carl'))}"
+                    f"\n  this run {json.dumps(identity)}\npick another out_dir=, or pass overwrite=true to replace them")
+            if existing is None and (out_dir / "summary.json").exists():
+                raise EvalError(f"{out_dir} holds a summary.json without results.json; pick another out_dir= or pass "
+                                "overwrite=true")
+        else:
+            self._clear()
+            existing = None
+        self.records: list[dict[str, Any]] = existing["_checkpoint"]["records"] if existing else []
+        self.done = {r["route_id"] for r in self.records}
+
+    def _load(self, overwrite: bool) -> dict[str, Any] | None:
+        """The existing results.json (None if absent; unreadable is an error unless it will be overwritten)."""
+        if not self.path.exists():
+            return None
+        try:
+            data = json.loads(self.path.read_text())
+            data["_checkpoint"]["records"]  # noqa: B018 - the layout check
+            return data
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            if overwrite:
+                return None
+            raise EvalError(f"{self.path} is not a carl-eval results file ({type(exc).__name__}: {exc}); "
+                            "pass overwrite=true to start over") from None
+
+    def _clear(self) -> None:
+        for name in self.OUTPUTS:
+            p = self.out_dir / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+
+    def add(self, record: dict[str, Any]) -> None:
+        record["index"] = len(self.records)
+        self.records.append(record)
+        self.done.add(record["route_id"])
+        self.write()
+
+    def write(self, summary: dict[str, Any] | None = None) -> None:
+        """Rewrite results.json; ``summary`` (:func:`summarize`) fills its ``global_record``."""
+        scores = None if summary is None else GlobalScores(
+            mean={score: summary[key] for key, score in SUMMARY_SCORES},
+            std_dev={score: summary[f"{key}_std"] for key, score in SUMMARY_SCORES},
+            infractions_per_km=summary["infractions_per_km_lb"], total_length=summary["km"] * 1000.0)
+        write_result(results_file(self.records, self.total, self.identity, scores), self.path)

@@ -1,0 +1,36 @@
+"""Options of ``env=nuplan`` (:class:`NuplanOptions`): which cached scenarios, how they replay, simulator overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from envs.config import Checks
+
+
+@dataclass
+class NuplanOptions:
+    """``env.options`` of ``env=nuplan`` (validated once; unknown keys are errors)."""
+
+    cache_dir: str = "data/nuplan_cache"
+    data_root: str | None = None  # build missing cache files from these logs (maps under <data_root>/maps)
+    maps_root: str | None = None
+    split: str | None = None  # e.g. "mini", "val" (nuplan-v1.1/splits/<split>)
+    split_yaml: str | None = None  # scenario filter yaml (e.g. val14_split.yaml): its tokens and types
+    tokens: tuple[str, ...] | None = None
+    log_names: tuple[str, ...] | None = None
+    scenario_types: tuple[str, ...] | None = None
+    max_scenarios: int = 64  # scenarios held by one env object (the training pool / evaluation set)
+    reactive: bool = False  # IDM vehicles instead of log replay
+    red_light: bool = False  # red-light termination (CaRL nuPlan: off)
+    route_split: str = "train"  # "train": random scenarios; "eval": each scenario once, in order
+    workers: int = 1  # cache build processes
+    score: bool = True  # record the per-step trace and report nuPlan's closed-loop score per episode
+    sim: dict = field(default_factory=dict)  # SimConfig overrides (bev_size, reward, ...)
+
+    def validate(self) -> "NuplanOptions":
+        checks = Checks()
+        checks.need(self.route_split in ("train", "eval"),
+                    f"env.options.route_split={self.route_split!r}: use 'train' or 'eval'")
+        checks.need(self.max_scenarios >= 1, f"env.options.max_scenarios={self.max_scenarios}: must be >= 1")
+        checks.need(bool(self.cache_dir), "env.options.cache_dir: set the scenario cache folder")
+        checks.done()
+        return self
