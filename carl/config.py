@@ -9,6 +9,9 @@ the offending value and the fix, e.g.::
     config error: 2 problems:
       unknown key ppo.learnign_rate=0.001; did you mean ppo.learning_rate?
       ppo.minibatch_size=1000 must divide the batch (env.num_envs * ppo.num_steps = 4096); try ppo.minibatch_size=1024
+
+One file, on purpose: the schema, its registration, the per-key checks and the range checks are one contract that
+carl-train, carl-eval and carl-export share; split, every change to a key would touch several files.
 """
 from __future__ import annotations
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from carl.bundle import BundleError, check_bundle, export_bundle
 from carl.checkpoint import CheckpointError
-from carl.cli import command_line, fail, print_config
+from carl.cli import run_command
 from carl.config import ConfigError, compose
 
 PARITY_TOL = 1e-4
@@ -51,6 +50,8 @@ def load(overrides: list[str]) -> dict[str, Any]:
 
 def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
     """Export ``cfg['checkpoint']``; return the exit code (0, or 1 if the parity check fails)."""
+    if cfg.get("checkpoint") in (None, "???"):
+        raise ConfigError("checkpoint=<path to a .pt checkpoint> is required")
     ckpt = Path(str(cfg["checkpoint"]))
     out = Path(cfg["out_dir"]) if cfg.get("out_dir") else ckpt.parent / f"bundle-{ckpt.stem}"
     spec = export_bundle(ckpt, out, bev_dtype=cfg.get("bev_dtype", "uint8"), onnx=bool(cfg.get("onnx", True)),
@@ -71,17 +72,9 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    overrides, print_cfg = command_line(argv, __doc__)
-    try:
-        cfg = load(overrides)
-        if print_cfg:
-            print_config(cfg)
-        if cfg.get("checkpoint") in (None, "???"):
-            raise ConfigError("checkpoint=<path to a .pt checkpoint> is required")
-        code = run(cfg)
-    except (ConfigError, CheckpointError, BundleError, ValueError) as exc:
-        fail("carl-export error", exc)
-    sys.exit(code)
+    error = ("carl-export error", 2, "")
+    run_command(argv, __doc__, load, run,
+                {ConfigError: error, CheckpointError: error, BundleError: error, ValueError: error})
 
 
 if __name__ == "__main__":

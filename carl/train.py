@@ -28,7 +28,7 @@ import torch
 
 from carl import checkpoint as ckpt_lib
 from carl import config
-from carl.cli import command_line, fail, print_config
+from carl.cli import run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.loop import evaluate
 from carl.eval.policies import PolicyFactory, expert_factory, random_policy
@@ -473,19 +473,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
 # Entry point
 # ------------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    overrides, print_cfg = command_line(argv, __doc__)
-    try:
-        cfg = load_config(overrides)
-        if print_cfg:
-            print_config(cfg.to_dict())
-        code = train(cfg)
-    except ConfigError as exc:
-        fail("config error", exc)
-    except ckpt_lib.CheckpointError as exc:
-        fail("checkpoint error", exc)
-    except DistributedError as exc:
-        fail("distributed error", f"{exc}; the last checkpoint (last.pt) is intact", 3)
-    sys.exit(code)
+    run_command(argv, __doc__, load_config, train, {
+        ConfigError: ("config error", 2, ""), ckpt_lib.CheckpointError: ("checkpoint error", 2, ""),
+        DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")})
 
 
 if __name__ == "__main__":

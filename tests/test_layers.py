@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # env API, the metric definitions and CaRL's reward. A module matches itself and everything below it.
 INTERFACE = ("envs.api", "envs.metrics", "envs.reward")
 
-# Backend modules carl/ imports today, keyed by the module imported (not by the importing file: carl/evaluate.py is
-# being split into carl/eval/, and the reason belongs to the dependency, not to where it is written). Each entry is a
+# Backend modules carl/ imports today, keyed by the module imported (the reason belongs to the dependency, not to
+# where it is written). Each entry is a
 # debt or a deliberate exception; remove it when nothing imports it any more (test_allow_list_is_current says so).
 ALLOWED: dict[str, str] = {
     # configuration plumbing shared by every backend and the trainer (ConfigError, Checks, suggest, from_dict); no
@@ -182,3 +182,26 @@ def test_checker_reports_upward_and_backend_imports(tmp_path: Path) -> None:
     allow_sim = {"envs.sim": "test", "envs.sim.env": "test"}
     assert {v.module for v in check_layers(tmp_path, allowed=allow_sim)} == {"carl", "carl.bundle", "carl.deploy.agent"}
     assert "carl/ppo/bad.py:7: import envs.sim.env" in "\n".join(map(str, check_layers(tmp_path, allowed={})))
+
+
+MAX_LINES = 500
+
+
+def long_files_without_reason(root: Path) -> list[str]:
+    """Files of the packages and scripts over :data:`MAX_LINES` lines whose docstring does not say why they are one
+    file ("One file, on purpose: ...")."""
+    out = []
+    for path in sorted(p for d in ("carl", "envs", "scripts") for p in (root / d).rglob("*.py")):
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if len(text.splitlines()) > MAX_LINES and "One file, on purpose" not in doc:
+            out.append(f"{path.relative_to(root)}: {len(text.splitlines())} lines")
+    return out
+
+
+def test_long_files_say_why_they_are_one_file(tmp_path: Path) -> None:
+    assert long_files_without_reason(ROOT) == []
+    _write(tmp_path, "carl/big.py", '"""A big module."""\n' + "x = 1\n" * MAX_LINES)
+    _write(tmp_path, "envs/big.py", '"""A big module.\n\nOne file, on purpose: it is one algorithm."""\n'
+           + "x = 1\n" * MAX_LINES)
+    assert long_files_without_reason(tmp_path) == [f"carl/big.py: {MAX_LINES + 1} lines"]

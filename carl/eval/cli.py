@@ -27,7 +27,6 @@ folder holding results of another policy or benchmark is refused unless ``overwr
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +35,7 @@ import torch
 
 from carl.bundle import BundleError
 from carl.checkpoint import CheckpointError
-from carl.cli import command_line, fail, print_config
+from carl.cli import run_command
 from carl.config import ConfigError, compose
 from carl.eval import EvalError
 from carl.eval.benchmarks import resolve_benchmark
@@ -129,14 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     from envs.maps.lanegraph import MapError
     from envs.routes import RouteError
 
-    overrides, print_cfg = command_line(argv, __doc__)
-    try:
-        cfg = load(expand_shortcuts(overrides))
-        if print_cfg:
-            print_config(cfg)
-        run(cfg)
-    except (ConfigError, EvalError, CheckpointError, BundleError, RouteError, MapError) as exc:
-        fail("carl-eval error", exc)
-    except KeyboardInterrupt:
-        fail("\ninterrupted", "finished routes are in results.json; re-run the same command to resume", 130)
-    sys.exit(0)
+    error = ("carl-eval error", 2, "")
+    run_command(argv, __doc__, lambda overrides: load(expand_shortcuts(overrides)), run, {
+        ConfigError: error, EvalError: error, CheckpointError: error, BundleError: error, RouteError: error,
+        MapError: error,
+        KeyboardInterrupt: ("\ninterrupted", 130, "finished routes are in results.json; re-run the same command to resume")})
