@@ -16,7 +16,7 @@ venv: $(BIN)/python
 	$(BIN)/pip install -q -e .
 
 dev: $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,nuplan]"
 
 train: venv
 	$(BIN)/carl-train +experiment=quick

@@ -9,8 +9,14 @@ A bundle is a directory::
     spec.json             observations, actions, BEV geometry, model signature, versions, file hashes
 
 The exported actor takes ``bev`` ([B, C, H, W], uint8 0..255 by default, or float32 0..255 when exported with
-``bev_dtype=float32``) and ``measurements`` ([B, 8] float32) and returns the deterministic action (the Beta mean
+``bev_dtype=float32``) and ``measurements`` ([B, M] float32) and returns the deterministic action (the Beta mean
 mapped to [-1, 1], [B, 2]) and the Beta parameters ``alpha`` and ``beta`` ([B, 2], both > 1).
+
+``spec.json`` names what the numbers mean: ``observation_layout`` (``carla``: CaRL's CARLA observation, 10 channels
+and 8 measurements; ``nuplan``: CaRL's nuPlan observation, 9 channels and 10 measurements; see ``envs.api.LAYOUTS``),
+the BEV ``channels``, the measurement and value-measurement ``fields`` and the action ``fields`` in order (CARLA:
+steer, longitudinal; CaRL's nuPlan variant: accel, steer) with their scaling. A bundle written before these keys
+existed is the CARLA layout (:func:`observation_layout`, :func:`action_names` read either).
 
 :func:`load_policy` accepts a bundle directory or a training checkpoint (``.pt``) and returns a callable
 ``obs dict -> action tensor [B, 2]`` plus the spec; it is the one entry point for the CARLA leaderboard agent, the
@@ -32,7 +38,8 @@ from torch import nn
 
 from carl.checkpoint import CheckpointError, load_checkpoint
 from carl.policy import CarlPolicy, beta_mean_action, beta_sample
-from envs.api import BEV_CHANNELS, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
+from envs.api import (ACTIONS, BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, NUPLAN_ACTION_SCALING, OBS_BEV,
+                      OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS, TensorSpec, layout_of)
 
 BUNDLE_FORMAT = "carl-policy-bundle"
 BUNDLE_VERSION = 1
@@ -69,13 +76,18 @@ class Actor(nn.Module):
 # ------------------------------------------------------------------------------------------------------------------
 # Rebuilding a policy from a checkpoint
 # ------------------------------------------------------------------------------------------------------------------
-def _observation_spec(obs_shapes: dict[str, list[int]]) -> dict[str, TensorSpec]:
+def _observation_spec(obs_shapes: dict[str, list[int]], layout: dict[str, list[str]] | None = None
+                      ) -> dict[str, TensorSpec]:
     dtypes = {OBS_BEV: torch.uint8}
-    return {k: TensorSpec(tuple(v), dtypes.get(k, torch.float32)) for k, v in obs_shapes.items()}
+    names = layout or {}
+    return {k: TensorSpec(tuple(v), dtypes.get(k, torch.float32), names=tuple(names.get(k, ())))
+            for k, v in obs_shapes.items()}
 
 
-def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], where: str) -> CarlPolicy:
-    """A fresh :class:`CarlPolicy` for these observation shapes and ``model`` config; ``where`` names the source."""
+def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], where: str,
+                 layout: dict[str, list[str]] | None = None) -> CarlPolicy:
+    """A fresh :class:`CarlPolicy` for these observation shapes and ``model`` config; ``where`` names the source;
+    ``layout``: the names of the inputs and actions (the signature's ``layout``; None for files written before)."""
     name = model_cfg.get("name", "carl")
     if name not in MODEL_NAMES:
         raise CheckpointError(f"{where} holds model {name!r}; this code rebuilds only {', '.join(MODEL_NAMES)}")
@@ -83,9 +95,10 @@ def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], wh
     if missing:
         raise CheckpointError(f"{where} has no observation shape for {missing}; found {sorted(obs_shapes)}")
     try:
-        return CarlPolicy(_observation_spec(obs_shapes), 2, int(model_cfg.get("features_dim", 256)),
+        return CarlPolicy(_observation_spec(obs_shapes, layout), 2, int(model_cfg.get("features_dim", 256)),
                           int(model_cfg.get("hidden_dim", 256)), int(model_cfg.get("fusion_dim", 512)),
-                          int(model_cfg.get("min_final_size", 1)))
+                          int(model_cfg.get("min_final_size", 1)),
+                          action_names=tuple((layout or {}).get("actions", ())))
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: cannot rebuild the model ({exc})") from None
 
@@ -130,7 +143,8 @@ def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu")
     if "obs_shapes" not in signature:
         raise CheckpointError(f"checkpoint {path} has no model signature (obs_shapes); it was not written by carl-train")
     config = ckpt.get("config") or {}
-    policy = build_policy(signature["obs_shapes"], config.get("model", {}), f"checkpoint {path}")
+    policy = build_policy(signature["obs_shapes"], config.get("model", {}), f"checkpoint {path}",
+                          signature.get("layout"))
     _check_signature(policy, signature, f"checkpoint {path}")
     _load_weights(policy, ckpt["model"], f"checkpoint {path}")
     return policy.to(device).eval(), ckpt
@@ -165,32 +179,67 @@ def bev_geometry(config: dict[str, Any], bev_size: int) -> dict[str, Any]:
     }
 
 
+# What each action component does, by backend family and name (the bundle's "actions.fields").
+_SIM_ACTION_MEANINGS = {"steer": "front-wheel angle = steer * max_steer (sim: 0.6 rad); positive increases the yaw (a "
+                                 "right turn in CARLA's left-handed frame)",
+                        "longitudinal": "throttle = max(a, 0), brake = max(-a, 0)"}
+_NUPLAN_ACTION_MEANINGS = {
+    "accel": "target acceleration = a * {positive_mps2} m/s^2 for a >= 0, a * {negative_mps2} m/s^2 for a < 0 "
+             "(nuPlan's kinematic bicycle, 0.2 s lag; a reverse guard brakes to a stop instead of reversing)",
+    "steer": "target tire steering angle = a * {max_tire_angle_rad} rad, positive to the left; commanded as the rate "
+             "(target - current) / 0.1 s (0.05 s lag)",
+}
+
+
+def _layout_names(policy: CarlPolicy, key: str, default: tuple[str, ...], size: int) -> list[str] | None:
+    """The names the policy was trained with, else the CARLA layout's where the size fits (older files)."""
+    names = policy.layout.get(key)
+    return list(names) if names else (list(default) if size == len(default) else None)
+
+
+def action_fields(names: list[str], env_name: str) -> list[dict[str, Any]]:
+    """``actions.fields`` of a bundle: name, meaning and (nuPlan) scaling of each action component, in order."""
+    out = []
+    for name in names:
+        key = "accel" if name == "longitudinal" else name  # nuPlan's longitudinal component is its acceleration
+        if env_name == "nuplan" and key in NUPLAN_ACTION_SCALING:
+            scale = NUPLAN_ACTION_SCALING[key]
+            out.append({"name": name, "meaning": _NUPLAN_ACTION_MEANINGS[key].format(**scale), "scaling": dict(scale)})
+        else:
+            out.append({"name": name, "meaning": _SIM_ACTION_MEANINGS.get(name, "")})
+    return out
+
+
 def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8") -> dict[str, Any]:
     """The ``spec.json`` content for ``policy`` trained with ``config``."""
     shapes = {k: list(v) for k, v in policy.obs_shapes.items()}
     c, h, _ = shapes[OBS_BEV]
-    channels = list(BEV_CHANNELS) if c == len(BEV_CHANNELS) else [f"channel_{i}" for i in range(c)]
+    channels = _layout_names(policy, OBS_BEV, BEV_CHANNELS, c) or [f"channel_{i}" for i in range(c)]
+    layout = layout_of(policy.layout[OBS_BEV]) if policy.layout.get(OBS_BEV) else \
+        (LAYOUT_CARLA if c == len(BEV_CHANNELS) else "custom")
+    env_name = str((config.get("env") or {}).get("name", "sim"))
+    actions = list(policy.layout.get("actions") or ACTIONS)
     return {
         "format": BUNDLE_FORMAT,
         "bundle_version": BUNDLE_VERSION,
         "carl_version": carl_version(),
         "torch_version": torch.__version__,
+        "observation_layout": layout,
         "observations": {
             OBS_BEV: {"shape": shapes[OBS_BEV], "dtype": bev_dtype, "range": [0, 255], "channels": channels,
                       "note": "the network divides by 255; float inputs must keep the 0..255 scale"},
             OBS_MEASUREMENTS: {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
-                               "fields": list(MEASUREMENTS) if shapes[OBS_MEASUREMENTS] == [len(MEASUREMENTS)]
-                               else None},
+                               "fields": _layout_names(policy, OBS_MEASUREMENTS, MEASUREMENTS,
+                                                       shapes[OBS_MEASUREMENTS][0])},
         },
-        "critic_observations": {OBS_VALUE_MEASUREMENTS: {"shape": shapes[OBS_VALUE_MEASUREMENTS], "dtype": "float32",
-                                                         "note": "value head only; not an input of the actor"}},
+        "critic_observations": {OBS_VALUE_MEASUREMENTS: {
+            "shape": shapes[OBS_VALUE_MEASUREMENTS], "dtype": "float32",
+            "fields": _layout_names(policy, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS,
+                                    shapes[OBS_VALUE_MEASUREMENTS][0]),
+            "note": "value head only; not an input of the actor"}},
         "actions": {
             "shape": [2], "dtype": "float32", "range": [-1.0, 1.0],
-            "fields": [
-                {"name": "steer", "meaning": "front-wheel angle = steer * max_steer (sim: 0.6 rad); positive increases "
-                                             "the yaw (a right turn in CARLA's left-handed frame)"},
-                {"name": "longitudinal", "meaning": "throttle = max(a, 0), brake = max(-a, 0)"},
-            ],
+            "fields": action_fields(actions, env_name),
             "distribution": "Beta(alpha, beta) on [0, 1] mapped to [-1, 1] by a = 2x - 1",
             "deterministic": "Beta mean: a = 2 * alpha / (alpha + beta) - 1",
             "control_period_s": 0.1,
@@ -321,6 +370,20 @@ def read_spec(bundle: str | Path) -> dict[str, Any]:
     return spec
 
 
+def observation_layout(spec: dict[str, Any]) -> str:
+    """The observation layout a bundle's policy expects (``envs.api.LAYOUTS`` key): ``carla`` for bundles written
+    before the key existed."""
+    return str(spec.get("observation_layout", LAYOUT_CARLA))
+
+
+def action_names(spec: dict[str, Any]) -> tuple[str, ...]:
+    """The names of the policy's action components in output order (``("steer", "longitudinal")`` for bundles
+    written before they were recorded)."""
+    fields = (spec.get("actions") or {}).get("fields") or []
+    names = tuple(f["name"] for f in fields if isinstance(f, dict) and "name" in f)
+    return names or ACTIONS
+
+
 def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
     from safetensors.torch import load_file
 
@@ -330,7 +393,7 @@ def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
         raise BundleError(f"bundle {bundle} lacks {weights.name}")
     signature = spec["model"]["signature"]
     where = f"bundle {bundle}"
-    policy = build_policy(signature["obs_shapes"], spec["model"], where)
+    policy = build_policy(signature["obs_shapes"], spec["model"], where, signature.get("layout"))
     _check_signature(policy, signature, where)
     _load_weights(policy, load_file(str(weights)), where)
     return policy.to(device).eval()
@@ -338,7 +401,8 @@ def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
 
 @dataclass
 class LoadedPolicy:
-    """``obs dict -> action [B, 2]``: Beta mean (``deterministic``) or a Beta sample. ``spec`` describes the inputs."""
+    """``obs dict -> action [B, 2]`` (components in the order of ``action_names(spec)``): Beta mean
+    (``deterministic``) or a Beta sample. ``spec`` describes the inputs."""
 
     spec: dict[str, Any]
     device: torch.device
@@ -369,9 +433,10 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
                 backend: str = "torch") -> tuple[LoadedPolicy, dict[str, Any]]:
     """Load a bundle directory or a ``.pt`` checkpoint; return ``(policy, spec)``.
 
-    ``policy(obs)`` maps an observation dict (``bev`` [B, C, H, W], ``measurements`` [B, 8]) to actions [B, 2] in
-    [-1, 1]. ``backend``: ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint),
-    ``torchscript`` or ``onnx`` (bundle only: run ``policy.ts`` / ``policy.onnx``).
+    ``policy(obs)`` maps an observation dict (``bev`` [B, C, H, W], ``measurements`` [B, M]; the layout
+    :func:`observation_layout` names) to actions [B, 2] in [-1, 1] (:func:`action_names` order). ``backend``:
+    ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint), ``torchscript`` or ``onnx``
+    (bundle only: run ``policy.ts`` / ``policy.onnx``).
     """
     path = Path(path)
     device = torch.device(device)
@@ -428,5 +493,5 @@ def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch:
     return diffs
 
 
-__all__ = ["Actor", "BundleError", "LoadedPolicy", "check_bundle", "export_bundle", "load_policy",
-           "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]
+__all__ = ["Actor", "BundleError", "LoadedPolicy", "action_names", "check_bundle", "export_bundle", "load_policy",
+           "observation_layout", "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]

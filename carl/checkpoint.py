@@ -1,7 +1,7 @@
 """Checkpoints: atomic writes, RNG capture and loading with clear errors.
 
 A checkpoint is a ``torch.save`` dict with ``format_version``, ``signature`` (the model's observation shapes and
-layer plan), ``model``, ``optimizer``, ``update``, ``global_step``, ``rng``, ``env`` (the env's ``state_dict()``),
+layer plan, and the names of its inputs and actions where known), ``model``, ``optimizer``, ``update``, ``global_step``, ``rng``, ``env`` (the env's ``state_dict()``),
 ``config`` and free-form ``extra``. Files are written to ``<name>.tmp``, fsynced and moved over the target with
 ``os.replace``, so a crash (even ``kill -9``) leaves either the previous or the new file, never a torn one.
 """
@@ -93,6 +93,9 @@ def _compatible(expected: dict, found: dict) -> list[str]:
     for key in ("obs_shapes", "conv"):
         if expected.get(key) != found.get(key):
             diffs.append(f"{key}: checkpoint has {found.get(key)}, this model has {expected.get(key)}")
+    # inputs of the same shapes that mean other things (a checkpoint without names predates them: not compared)
+    if "layout" in expected and "layout" in found and expected["layout"] != found["layout"]:
+        diffs.append(f"layout: checkpoint has {found['layout']}, this model has {expected['layout']}")
     return diffs
 
 

@@ -357,8 +357,7 @@ def _compose(overrides: list[str], config_name: str, schemas: dict[str, type] | 
             ConfigStore.instance().store(name=name, node=node)
         base = OmegaConf.structured(schemas[f"{config_name}_schema"])
     else:
-        env_choice = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "env"), "sim")
-        base = schema(backend_of(env_choice))
+        base = schema(backend_of(_env_choice(overrides, config_name, groups)))
     checks = Checks()
     good, problems = check_overrides(overrides, base, groups)  # the bad ones are left out of the composition
     checks.problems += problems
@@ -370,6 +369,24 @@ def _compose(overrides: list[str], config_name: str, schemas: dict[str, type] | 
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = f"; `carl-{config_name} --cfg` prints every key" if "override" in msg.lower() else ""
         raise ConfigError([*checks.problems, f"{msg} (overrides: {' '.join(overrides) or 'none'}){hint}"]) from None
+
+
+def _env_choice(overrides: list[str], config_name: str, groups: tuple[str, ...]) -> str:
+    """The environment a composition selects, directly (``env=...``) or through a preset that overrides ``/env``
+    (``+experiment=carl_nuplan``): the selections alone are composed to find it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    selections = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in groups]
+    if not any(o.lstrip("+~").startswith("experiment=") for o in selections):
+        return next((o.split("=", 1)[1] for o in selections if o.lstrip("+").split("=", 1)[0] == "env"), "sim")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return str(hydra_compose(config_name=config_name, overrides=selections).env.name)
+    except Exception:  # noqa: BLE001 - a bad selection is reported by the full composition
+        return "sim"
 
 
 def compose(overrides: list[str], config_name: str = "train", schemas: dict[str, type] | None = None,

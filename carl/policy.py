@@ -167,6 +167,7 @@ class CarlPolicy(nn.Module):
         hidden_dim: int = 256,
         fusion_dim: int = 512,
         min_final_size: int = 1,
+        action_names: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         for key in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS):
@@ -176,6 +177,11 @@ class CarlPolicy(nn.Module):
         n_meas = observation_spec[OBS_MEASUREMENTS].shape[0]
         n_vmeas = observation_spec[OBS_VALUE_MEASUREMENTS].shape[0]
         self.obs_shapes = {k: tuple(observation_spec[k].shape) for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS)}
+        # what the inputs and outputs mean, as the env named them (TensorSpec.names; the bundle records them)
+        self.layout = {k: list(observation_spec[k].names) for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS)
+                       if observation_spec[k].names}
+        if action_names:
+            self.layout["actions"] = list(action_names)
         self.conv_plan = plan_conv_stack(c, h, w, min_final_size)
 
         convs: list[nn.Module] = []
@@ -203,12 +209,16 @@ class CarlPolicy(nn.Module):
 
     # -- signature used by checkpoints ----------------------------------------------------------------------------
     def signature(self) -> dict:
-        """What a checkpoint must match to be loadable into this model (obs shapes and layer sizes)."""
-        return {
+        """What a checkpoint must match to be loadable into this model (obs shapes and layer sizes), plus the names of
+        the inputs and actions (``layout``: BEV channels, measurements, value measurements, actions) where known."""
+        out = {
             "obs_shapes": {k: list(v) for k, v in self.obs_shapes.items()},
             "conv": [[l.out_channels, l.kernel, l.stride] for l in self.conv_plan],
             "num_params": self.num_params(),
         }
+        if self.layout:
+            out["layout"] = {k: list(v) for k, v in self.layout.items()}
+        return out
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -328,7 +328,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
     say(f"run folder: {run_dir}", flush=True)
     policy = CarlPolicy(env.observation_spec, env.action_spec.shape[0], cfg.model.features_dim,
-                        cfg.model.hidden_dim, cfg.model.fusion_dim, cfg.model.min_final_size).to(device)
+                        cfg.model.hidden_dim, cfg.model.fusion_dim, cfg.model.min_final_size,
+                        action_names=env.action_spec.names).to(device)
     signature = policy.signature()
     if cfg.parallel.compile:
         policy.compile()

@@ -7,8 +7,9 @@ a backend; it receives a ``BatchedEnv`` from :func:`envs.make_env`.
 Conventions
 -----------
 * ``reset()`` returns the first observation of every environment.
-* ``step(action)`` takes ``action`` of shape ``[B, 2]`` in ``[-1, 1]`` (steer, longitudinal; values outside are
-  clipped, NaN raises) and returns a :class:`StepResult`. Where ``terminated | truncated`` is true, the returned
+* ``step(action)`` takes ``action`` of shape ``[B, 2]`` in ``[-1, 1]`` (values outside are clipped, NaN raises)
+  and returns a :class:`StepResult`. ``action_spec.names`` names the components: (steer, longitudinal) unless the
+  backend says otherwise (CaRL's nuPlan order: accel, steer). Where ``terminated | truncated`` is true, the returned
   observation is already the first observation of the next episode (auto-reset), and ``info`` carries the finished
   episode's statistics under ``"episode/..."`` keys (valid only on those rows). If the env was built with
   ``keep_final_obs=True`` the terminal observation is in ``info["final_obs/<key>"]``.
@@ -31,6 +32,8 @@ class TensorSpec:
     dtype: torch.dtype
     low: float = float("-inf")
     high: float = float("inf")
+    names: tuple[str, ...] = ()  # what each index of the first dimension holds (BEV channels, measurement fields,
+    # action components); () = unnamed
 
 
 @dataclass
@@ -44,10 +47,13 @@ class StepResult:
 
 # Keys of the observation dict (CaRL's names).
 OBS_BEV = "bev"  # uint8 [C, H, W]
-OBS_MEASUREMENTS = "measurements"  # float32 [8], actor and critic
-OBS_VALUE_MEASUREMENTS = "value_measurements"  # float32 [10], critic only
+OBS_MEASUREMENTS = "measurements"  # float32 [M], actor and critic (8 in the CARLA layout, 10 in the nuPlan one)
+OBS_VALUE_MEASUREMENTS = "value_measurements"  # float32 [V], critic only (10 CARLA, 4 nuPlan)
 
-# What every backend's observation holds, in order (the simulator's observation code, shared by all of them).
+# The observation layouts, each defined once: what the observation holds, in order. The CARLA layout (CaRL's CARLA
+# observation, carl-reference.md §2) is every backend's default (envs/sim/observation.py); the nuPlan layout (CaRL's
+# nuPlan observation, §17) is envs/nuplan/observation.py's.
+LAYOUT_CARLA, LAYOUT_NUPLAN = "carla", "nuplan"
 BEV_CHANNELS = ("road", "route", "lane_markings", "vehicles", "pedestrians", "traffic_lights", "stop_sign",
                 "speed_signs", "static_objects", "shoulder")
 MEASUREMENTS = ("last_steer", "last_throttle", "last_brake", "gear", "speed_x_mps", "speed_y_mps",
@@ -56,6 +62,49 @@ MEASUREMENTS = ("last_steer", "last_throttle", "last_brake", "gear", "speed_x_mp
 # each comfort penalty window
 VALUE_MEASUREMENTS = ("time_left", "time_until_blocked", "route_points_left", "ttc_window_left",
                       *(f"comfort_window_left_{m}" for m in COMFORT_METRICS))
+# CaRL's nuPlan observation (§17): 9 channels, 10 measurements (the last action in CaRL's nuPlan order, then the ego
+# state at the vehicle centre in the body frame, x forward / y left), 4 critic values (all 1.0 at reset)
+NUPLAN_BEV_CHANNELS = ("drivable_area", "route", "lane_boundaries", "traffic_lights", "stop_lines", "speed_limit",
+                       "vehicles", "pedestrians_and_statics", "ego")
+NUPLAN_MEASUREMENTS = ("last_acceleration", "last_steering", "velocity_x_mps", "velocity_y_mps",
+                       "acceleration_x_mps2", "acceleration_y_mps2", "tire_steering_angle_rad",
+                       "steering_rate_radps", "yaw_rate_radps", "yaw_acceleration_radps2")
+NUPLAN_VALUE_MEASUREMENTS = ("time_left", "progress_left", "comfort_score", "ttc_score")
+
+# Action components, in the order of the action tensor (``BatchedEnv.action_spec.names``).
+ACTIONS = ("steer", "longitudinal")  # every backend's default: steer, throttle (> 0) / brake (< 0)
+NUPLAN_ACTIONS = ("accel", "steer")  # CaRL's nuPlan order (§16.1; env.options.action_order of env=nuplan)
+# How CaRL's nuPlan action is scaled (§16.2; envs/nuplan/dynamics.py applies it): accel a >= 0 -> a * 2.4 m/s^2,
+# a < 0 -> a * 3.2 m/s^2 (the target acceleration); steer -> target tire angle a * 0.83775804 rad (48 deg, positive
+# to the left)
+NUPLAN_ACTION_SCALING = {"accel": {"positive_mps2": 2.4, "negative_mps2": 3.2},
+                         "steer": {"max_tire_angle_rad": 0.83775804}}
+# Names of the same action component (a consumer reorders actions by these): nuPlan's accel is the longitudinal one
+ACTION_ALIASES = {"accel": "longitudinal"}
+
+LAYOUTS = {LAYOUT_CARLA: {OBS_BEV: BEV_CHANNELS, OBS_MEASUREMENTS: MEASUREMENTS,
+                          OBS_VALUE_MEASUREMENTS: VALUE_MEASUREMENTS},
+           LAYOUT_NUPLAN: {OBS_BEV: NUPLAN_BEV_CHANNELS, OBS_MEASUREMENTS: NUPLAN_MEASUREMENTS,
+                           OBS_VALUE_MEASUREMENTS: NUPLAN_VALUE_MEASUREMENTS}}
+
+
+def layout_of(bev_channels: tuple[str, ...] | list[str]) -> str:
+    """The layout whose BEV channels are ``bev_channels``; unnamed channels are the CARLA layout (what every spec
+    and bundle meant before the names were recorded); ``"custom"`` for any other names."""
+    names = tuple(bev_channels)
+    if not names:
+        return LAYOUT_CARLA
+    return next((k for k, v in LAYOUTS.items() if v[OBS_BEV] == names), "custom")
+
+
+def action_permutation(source: tuple[str, ...] | list[str], target: tuple[str, ...] | list[str]) -> list[int]:
+    """Indices ``p`` with ``action_target = action_source[..., p]``, matching names through
+    :data:`ACTION_ALIASES` (``accel`` is ``longitudinal``)."""
+    canon = lambda names: [ACTION_ALIASES.get(n, n) for n in names]  # noqa: E731
+    src, dst = canon(source), canon(target)
+    if sorted(src) != sorted(dst):
+        raise ValueError(f"actions {list(source)} cannot be mapped to {list(target)}")
+    return [src.index(n) for n in dst]
 
 
 class BatchedEnv(abc.ABC):
@@ -64,7 +113,7 @@ class BatchedEnv(abc.ABC):
     num_envs: int
     device: torch.device
     observation_spec: dict[str, TensorSpec]
-    action_spec: TensorSpec = TensorSpec((2,), torch.float32, -1.0, 1.0)
+    action_spec: TensorSpec = TensorSpec((2,), torch.float32, -1.0, 1.0, ACTIONS)
 
     @abc.abstractmethod
     def reset(self, seed: int | None = None) -> dict[str, torch.Tensor]:

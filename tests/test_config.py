@@ -142,6 +142,12 @@ def test_env_options_are_typed_per_backend() -> None:
         load_config(["env.options.bev_size=big"])
     with pytest.raises(ConfigError, match=r"drop the '\+'"):
         load_config(["+env.options.map=Town01"])
+    # a preset that selects the backend types its options too (no env= on the command line)
+    nuplan = load_config(["+experiment=carl_nuplan", "env.options.data_root=/data/nuplan", "env.options.reactive=true"])
+    assert (nuplan.env.name, nuplan.env.options["data_root"], nuplan.env.options["reactive"]) == \
+        ("nuplan", "/data/nuplan", True)
+    with pytest.raises(ConfigError, match=r"unknown key env\.options\.data_rot=.*did you mean env\.options\.data_root"):
+        load_config(["+experiment=carl_nuplan", "env.options.data_rot=/data/nuplan"])
 
 
 def test_every_problem_is_reported_at_once() -> None:

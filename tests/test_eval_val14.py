@@ -7,7 +7,7 @@ import yaml
 
 from carl.eval import EvalError
 from carl.eval.cli import expand_shortcuts, load, run
-from test_export import tiny_checkpoint  # one tiny trainer checkpoint for every test
+from test_export import tiny_checkpoint, tiny_nuplan_checkpoint  # tiny trainer checkpoints
 
 pytestmark = pytest.mark.nuplan
 
@@ -67,6 +67,26 @@ def test_val14_without_matching_tokens_is_a_clear_error(dataset, tmp_path):
 
 
 def test_val14_with_a_checkpoint(dataset, tmp_path):
-    ckpt = tiny_checkpoint(tmp_path / "run" / "last.pt")
+    ckpt = tiny_nuplan_checkpoint(tmp_path / "run" / "last.pt")
     summary = run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'out'}", f"policy={ckpt}"), log=lambda m: None)
     assert summary["routes"] == len(dataset[2]) and 0.0 <= summary["closed_loop_score"] <= 100.0
+    # a policy trained on the CARLA observation (10 channels) cannot drive CaRL's nuPlan one: a clear error
+    carla = tiny_checkpoint(tmp_path / "carla" / "last.pt")
+    with pytest.raises(EvalError, match=r"expects bev of shape \[10, 32, 32\], the benchmark env gives \[9, 32, 32\]"):
+        run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'out_carla'}", f"policy={carla}"), log=lambda m: None)
+
+
+def test_val14_score_does_not_depend_on_the_batch(dataset, tmp_path):
+    """One scenario per env or all in one env: every scenario's score and the CLS agree to 1e-6."""
+    one = run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'one'}", "benchmark.group_size=1"), log=lambda m: None)
+    all_ = run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'all'}", "benchmark.group_size=64"),
+               log=lambda m: None)
+    assert one["closed_loop_score"] == pytest.approx(all_["closed_loop_score"], abs=1e-6)
+
+    def scores(folder: str) -> dict[str, float]:
+        records = json.loads((tmp_path / folder / "results.json").read_text())["_checkpoint"]["records"]
+        return {r["route_id"]: r["nuplan"]["score"] for r in records}
+
+    a, b = scores("one"), scores("all")
+    assert a.keys() == b.keys() and len(a) == len(dataset[2])
+    assert all(abs(a[k] - b[k]) <= 1e-6 for k in a), (a, b)

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import carl
-from carl.bundle import BundleError, check_bundle, export_bundle, load_policy, random_observations
+from carl.bundle import (BundleError, action_names, check_bundle, export_bundle, load_policy, observation_layout,
+                         random_observations)
 from carl.checkpoint import CheckpointError, atomic_save, make_checkpoint
 from carl.config import TrainConfig
 from carl.policy import CarlPolicy
-from envs.api import TensorSpec
+from envs.api import (ACTIONS, BEV_CHANNELS, MEASUREMENTS, NUPLAN_ACTIONS, NUPLAN_BEV_CHANNELS, NUPLAN_MEASUREMENTS,
+                      NUPLAN_VALUE_MEASUREMENTS, TensorSpec)
 
 # the export extra (pyproject: onnx, onnxscript, onnxruntime; also in dev)
 pytest.importorskip("onnx", reason="ONNX export needs the export extra: pip install -e '.[export]'")
@@ -35,6 +37,24 @@ def tiny_checkpoint(path: Path, seed: int = 0, **model: int) -> Path:
     policy = CarlPolicy(spec, 2, m["features_dim"], m["hidden_dim"], m["fusion_dim"], m["min_final_size"])
     optimizer = torch.optim.Adam(policy.parameters())
     atomic_save(make_checkpoint(policy, optimizer, 3, 48, policy.signature(), cfg), path)
+    return path
+
+
+def tiny_nuplan_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A checkpoint of a tiny CarlPolicy trained on CaRL's nuPlan observation (9 channels, 10 + 4 measurements,
+    actions accel, steer), as carl-train writes it for env=nuplan."""
+    torch.manual_seed(seed)
+    cfg = TrainConfig().to_dict()
+    cfg["env"]["name"] = "nuplan"
+    cfg["env"]["options"] = {"sim": dict(TINY_BEV)}
+    cfg["model"].update(TINY_MODEL)
+    m = cfg["model"]
+    spec = {"bev": TensorSpec((9, 32, 32), torch.uint8, 0, 255, NUPLAN_BEV_CHANNELS),
+            "measurements": TensorSpec((10,), torch.float32, names=NUPLAN_MEASUREMENTS),
+            "value_measurements": TensorSpec((4,), torch.float32, names=NUPLAN_VALUE_MEASUREMENTS)}
+    policy = CarlPolicy(spec, 2, m["features_dim"], m["hidden_dim"], m["fusion_dim"], m["min_final_size"],
+                        action_names=NUPLAN_ACTIONS)
+    atomic_save(make_checkpoint(policy, torch.optim.Adam(policy.parameters()), 3, 48, policy.signature(), cfg), path)
     return path
 
 
@@ -155,3 +175,40 @@ def test_bundle_of_another_version(exported: tuple[Path, Path], tmp_path: Path) 
     (old / "spec.json").write_text(json.dumps(dict(spec, bundle_version=99)))
     with pytest.raises(BundleError, match="bundle version 99"):
         load_policy(old)
+
+
+def test_bundle_records_the_carla_layout_and_reads_old_bundles(exported: tuple[Path, Path], tmp_path: Path) -> None:
+    _, bundle = exported
+    spec = json.loads((bundle / "spec.json").read_text())
+    assert spec["observation_layout"] == "carla" and observation_layout(spec) == "carla"
+    assert spec["observations"]["bev"]["channels"] == list(BEV_CHANNELS)
+    assert spec["observations"]["measurements"]["fields"] == list(MEASUREMENTS)
+    assert len(spec["critic_observations"]["value_measurements"]["fields"]) == 10
+    assert action_names(spec) == ACTIONS
+    # a bundle written before the layout keys: the CARLA layout and (steer, longitudinal)
+    old = {k: v for k, v in spec.items() if k != "observation_layout"}
+    old["actions"] = {k: v for k, v in spec["actions"].items() if k != "fields"}
+    assert observation_layout(old) == "carla" and action_names(old) == ACTIONS
+
+
+def test_nuplan_layout_bundle(tmp_path: Path) -> None:
+    """A policy trained on CaRL's nuPlan observation: the bundle names its 9 channels, 10 measurements, 4 critic values
+    and its actions (accel first, with the scaling), and reloads with them."""
+    ckpt = tiny_nuplan_checkpoint(tmp_path / "run" / "last.pt")
+    spec = export_bundle(ckpt, tmp_path / "bundle", onnx=False)
+    assert spec["observation_layout"] == "nuplan"
+    assert spec["observations"]["bev"]["shape"] == [9, 32, 32]
+    assert spec["observations"]["bev"]["channels"] == list(NUPLAN_BEV_CHANNELS)
+    assert spec["observations"]["measurements"]["fields"] == list(NUPLAN_MEASUREMENTS)
+    assert spec["critic_observations"]["value_measurements"]["fields"] == list(NUPLAN_VALUE_MEASUREMENTS)
+    fields = spec["actions"]["fields"]
+    assert [f["name"] for f in fields] == ["accel", "steer"]
+    assert fields[0]["scaling"] == {"positive_mps2": 2.4, "negative_mps2": 3.2} and "2.4 m/s^2" in fields[0]["meaning"]
+    assert fields[1]["scaling"] == {"max_tire_angle_rad": 0.83775804}
+    assert spec["model"]["signature"]["layout"]["actions"] == ["accel", "steer"]
+    for source in (tmp_path / "bundle", ckpt):
+        policy, loaded = load_policy(source)
+        assert observation_layout(loaded) == "nuplan" and action_names(loaded) == NUPLAN_ACTIONS
+        assert policy(random_observations(loaded, 3)).shape == (3, 2)
+    assert all(d <= 1e-4 for d in check_bundle(tmp_path / "bundle", ckpt).values())
+

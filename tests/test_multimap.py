@@ -16,7 +16,7 @@ from envs.maps.raster import compile_raster
 from envs.routes import RouteError, random_routes
 from envs.sim.agents import LEADERBOARD_VEHICLES, vehicles_per_map
 from envs.config import ConfigError
-from envs.sim.env import bev_reach_m
+from envs.sim.world import bev_reach_m
 from envs.sim.world import lane_lookup
 
 XODR = Path(__file__).parent / "data" / "xodr"

@@ -73,6 +73,10 @@ def test_reader_round_trip(data):
     m = load_location(data / "maps", specs[0].map_name)
     assert len(m.lanes) == 20 and m.lanes["2007"].exit_lane == "1004" and m.lanes["2007"].entry_lane == "1001"
     assert m.meta["projectedCoordSystem"] == f"EPSG:{EPSG}"
+    # the polygon layers of the drivable areas and the route (a multipolygon split into its two parts)
+    assert {n: len(v) for n, v in m.polygon_layers.items()} == {
+        "lane_groups_polygons": 8, "lane_group_connectors": 12, "intersections": 1, "road_segments": 4,
+        "generic_drivable_areas": 2, "carpark_areas": 1}
 
 
 def HALF_BOX_PLUS(s0: float) -> float:

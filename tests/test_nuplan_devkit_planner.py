@@ -94,3 +94,45 @@ def test_plan_with_a_loaded_policy(tmp_path):
     traj, first = dp.plan(b, policy, ego, np.zeros((0, 7)), np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0,
                           np.zeros(2), steps=10)
     assert traj.shape == (11, 7) and np.isfinite(traj).all() and np.all(np.abs(first) <= 1.0)
+
+
+def test_plan_with_a_nuplan_layout_bundle(tmp_path):
+    """A bundle of CaRL's nuPlan variant: the adapter builds its 9-channel observation and 10 + 4 measurements with
+    the env's observation part and maps its (accel, steer) actions to the rollout."""
+    import carl
+    from carl.bundle import action_names, export_bundle, observation_layout
+    from envs.nuplan.nuplan_map import load_location
+    from envs.nuplan.synthetic import make_synthetic_dataset
+    from test_export import tiny_nuplan_checkpoint
+
+    root = make_synthetic_dataset(tmp_path / "data", num_logs=1)
+    export_bundle(tiny_nuplan_checkpoint(tmp_path / "run" / "last.pt"), tmp_path / "bundle", onnx=False)
+    policy, spec = carl.load_policy(tmp_path / "bundle")
+    assert observation_layout(spec) == "nuplan" and action_names(spec) == ("accel", "steer")
+    g = spec["bev_geometry"]
+    m = load_location(root / "maps", next(iter(p.name for p in (root / "maps").iterdir() if p.is_dir())))
+    lane = next(lane for lane in m.lanes.values() if not lane.is_connector)
+    start = lane.baseline[0]
+    yaw = float(np.arctan2(*(lane.baseline[1] - lane.baseline[0])[::-1]))
+    b = dp.ObservationBuilder(m, start, yaw, [lane.group], cache_dir=str(tmp_path / "r"),
+                              sim={k: g[k] for k in ("bev_size", "bev_ppm", "bev_ego_from_bottom")},
+                              layout=observation_layout(spec), action_names=action_names(spec))
+    ahead = np.array([[*(start + 10 * np.array([math.cos(yaw), math.sin(yaw)])), yaw, 4.5, 2.0, 0.0, 0.0]])
+    kin = {"vel": (2.0, 0.1), "acc": (0.5, 0.02), "steer_rate": 0.3, "yaw_rate": 0.04, "yaw_acc": -0.2}
+    b.set_state(start, yaw, 2.0, 0.5, 0.01, np.array([0.5, -0.2]), ahead, np.zeros((0, 7)), np.zeros((0, 7)), {},
+                0.0, kinematics=kin)
+    obs = b.observe()
+    assert obs["bev"].shape == (1, 9, 32, 32) and obs["bev"][0, 0].float().mean() > 0  # drivable area
+    assert obs["bev"][0, 6].sum() > 0 and obs["bev"][0, 8].sum() > 0  # the vehicle ahead; the ego
+    assert obs["measurements"][0].tolist() == pytest.approx([0.5, -0.2, 2.0, 0.1, 0.5, 0.02, 0.01, 0.3, 0.04, -0.2])
+    assert obs["value_measurements"].shape == (1, 4)
+    ego = {"rear": start, "yaw": yaw, "speed": 2.0, "accel": 0.0, "steer": 0.0}
+    traj, first = dp.plan(b, policy, ego, ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0, np.zeros(2), steps=10)
+    assert traj.shape == (11, 7) and np.isfinite(traj).all() and np.all(np.abs(first) <= 1.0)
+    # (accel, steer) = (1, 0): the rollout accelerates straight ahead; (0, 1): it turns left at constant speed
+    traj, _ = dp.plan(b, lambda o: torch.tensor([[1.0, 0.0]]), ego, ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0,
+                      np.zeros(2), steps=10)
+    assert np.all(np.diff(traj[:, 4]) > 0) and np.allclose(traj[:, 3], traj[0, 3], atol=1e-6)
+    traj, _ = dp.plan(b, lambda o: torch.tensor([[0.0, 1.0]]), ego, ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0,
+                      np.zeros(2), steps=10)
+    assert traj[-1, 3] - traj[0, 3] > 0.05 and traj[-1, 4] == pytest.approx(2.0, abs=1e-4)

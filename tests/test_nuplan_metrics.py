@@ -4,7 +4,10 @@ import math
 import numpy as np
 import pytest
 
+import torch
+
 from envs.metrics import nuplan as M
+from envs.nuplan.scoring import ttc_violation
 
 pytestmark = pytest.mark.nuplan
 EGO_HALF = np.array([2.588, 1.1485])
@@ -66,28 +69,31 @@ def test_progress_ratio_and_making_progress():
     assert M.making_progress(0.2) == 1.0 and M.making_progress(0.19) == 0.0
 
 
-def _ttc(ego_speed: float, obj_x: float, obj_speed: float, obj_y: float = 0.0, obj_yaw: float = 0.0) -> float:
-    T = 3
-    return M.time_to_collision_within_bound(
-        np.zeros((T, 2)), np.zeros(T), np.full(T, ego_speed), EGO_HALF,
-        np.tile([[obj_x, obj_y]], (T, 1, 1)), np.full((T, 1), obj_yaw), np.full((T, 1), obj_speed),
-        np.tile(CAR_HALF, (T, 1, 1)), np.ones((T, 1), bool))
-
-
 def test_time_to_collision():
-    # gap between boxes: 10 - 2.588 - 2.4 = 5.012 m; closing at 10 m/s -> TTC 0.50 s < 0.95 -> 0
-    assert _ttc(10.0, 10.0, 0.0) == 0.0
-    # closing at 4 m/s -> 1.25 s > 0.95 -> 1
-    assert _ttc(4.0, 10.0, 0.0) == 1.0
-    # ego stopped: TTC infinite -> 1
-    assert _ttc(0.0, 5.5, 0.0) == 1.0
-    # the object is behind the ego (not within 30° ahead) -> ignored
-    assert _ttc(10.0, -10.0, 20.0) == 1.0
-    # an at-fault collision sets TTC to 0
-    T = 2
-    assert M.time_to_collision_within_bound(np.zeros((T, 2)), np.zeros(T), np.ones(T), EGO_HALF, np.zeros((T, 0, 2)),
-                                            np.zeros((T, 0)), np.zeros((T, 0)), np.zeros((T, 0, 2)),
-                                            np.zeros((T, 0), bool), at_fault_collision=np.array([False, True])) == 0.0
+    """The devkit's TTC check (torch, batched): ego centre at 0 heading +x at its speed, its rear axle 1.461 m
+    behind; one car ahead or behind."""
+    def ttc(ego_speed: float, obj_x: float, obj_speed: float) -> bool:
+        return bool(ttc_violation(torch.zeros(1, 2), torch.zeros(1), torch.tensor([ego_speed]),
+                                  torch.tensor(EGO_HALF[None], dtype=torch.float32), torch.tensor([[-1.461, 0.0]]),
+                                  torch.zeros(1, dtype=torch.bool), torch.tensor([[[obj_x, 0.0]]]), torch.zeros(1, 1),
+                                  torch.tensor([[obj_speed]]), torch.tensor(CAR_HALF[None, None], dtype=torch.float32),
+                                  torch.ones(1, 1, dtype=torch.bool))[0])
+    # gap between boxes: 10 - 2.588 - 2.4 = 5.012 m; closing at 10 m/s -> TTC 0.50 s <= 0.95 -> violation
+    assert ttc(10.0, 10.0, 0.0)
+    # closing at 4 m/s -> 1.25 s > 0.95 -> none
+    assert not ttc(4.0, 10.0, 0.0)
+    # ego stopped: TTC infinite
+    assert not ttc(0.0, 5.5, 0.0)
+    # the car is behind the ego (not within 30° ahead of the rear axle) -> ignored, even when faster
+    assert not ttc(10.0, -10.0, 20.0)
+
+
+def test_path_progress():
+    path = np.array([[0.0, 0.0], [10.0, 0.0], [10.0, 10.0]])  # an L, 20 m long
+    # along the first leg and round the corner: arc 2 -> 15
+    assert M.path_progress(np.array([[2.0, 1.0], [9.0, -1.0], [11.0, 5.0]]), path) == pytest.approx(13.0)
+    # driving backwards counts negative
+    assert M.path_progress(np.array([[5.0, 0.0], [3.0, 0.5]]), path) == pytest.approx(-2.0)
 
 
 def test_speed_limit_compliance():
@@ -99,16 +105,15 @@ def test_speed_limit_compliance():
 
 
 def test_comfort():
+    """From nuPlan's model state: rear-axle acceleration, yaw rate, yaw acceleration, heading (0.1 s apart)."""
     t = np.arange(151) * 0.1
-    gentle = np.minimum(t, 8.0) * 1.0  # 1 m/s² then cruise
-    assert M.ego_is_comfortable(M.comfort_signals(gentle, np.zeros_like(t))) == 1.0
-    hard_brake = np.maximum(10.0 - 6.0 * t, 0.0)  # -6 m/s² < -4.05
-    assert M.ego_is_comfortable(M.comfort_signals(hard_brake, np.zeros_like(t))) == 0.0
-    spin = 1.2 * t  # yaw rate 1.2 rad/s > 0.95
-    assert M.ego_is_comfortable(M.comfort_signals(np.full_like(t, 0.5), spin)) == 0.0
-    # the SG filter reproduces a quadratic's derivative exactly
-    x = 0.5 * 3.0 * t ** 2
-    assert np.allclose(M.savgol(x, 15, 2, 1, 0.1), 3.0 * t, atol=1e-6)
+    zero = np.zeros_like(t)
+    gentle = np.where(t < 8.0, 1.0, 0.0)  # 1 m/s² for 8 s, then cruise: jerk of the step ~ 1 / 1.5 s < 4.13
+    assert M.ego_is_comfortable(gentle, zero, zero, zero, 1.461) == 1.0
+    assert M.ego_is_comfortable(np.full_like(t, -6.0), zero, zero, zero, 1.461) == 0.0  # -6 m/s² < -4.05
+    # a steady turn at 0.5 rad/s: the devkit's centre acceleration is a + d·ω² = 1.461 · 0.25 (comfortable)
+    assert M.ego_is_comfortable(zero, np.full_like(t, 0.5), zero, 0.5 * t, 1.461) == 1.0
+    assert M.ego_is_comfortable(zero, zero, zero, 1.2 * t, 1.461) == 0.0  # heading turning at 1.2 > 0.95 rad/s
 
 
 def test_scenario_score_and_aggregate():

@@ -83,3 +83,20 @@ def test_leaderboard_infraction_score():
 def test_config_validation_names_the_key():
     with pytest.raises(ValueError, match="reward.ttc_factor"):
         RewardConfig(ttc_factor=2.0).validate()
+
+
+def test_carla_is_the_default_mode_and_ignores_the_nuplan_constants():
+    from envs.reward import NuplanRewardConfig
+
+    assert RewardConfig().mode == "carl_carla"
+    g = torch.Generator().manual_seed(0)
+    B = 64
+    inp = RewardInputs(progress=torch.rand(B, generator=g), outside_lanes=torch.rand(B, generator=g) < 0.2,
+                       speed=torch.rand(B, generator=g) * 15, speed_limit=torch.full((B,), 10.0),
+                       ttc_violation=torch.rand(B, generator=g) < 0.3,
+                       comfort_violation=torch.rand(B, 6, generator=g) < 0.2,
+                       lane_offset_ratio=torch.rand(B, generator=g), terminal_penalty=torch.rand(B, generator=g) < 0.1)
+    other = RewardConfig(nuplan=NuplanRewardConfig(accumulation="nuplan", reward_factor=5.0))
+    a = compute_reward(inp, RewardState.zeros(B, torch.device("cpu")), RewardConfig())
+    b = compute_reward(inp, RewardState.zeros(B, torch.device("cpu")), other)
+    assert torch.equal(a.reward, b.reward) and a.terminated is None

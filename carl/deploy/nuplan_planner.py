@@ -10,8 +10,12 @@ What it does per simulation step:
    built-in simulator's lane graph exactly as the scenario cache does it, with the route along the mission's
    roadblocks, and held by a one-row :class:`~envs.nuplan.env.NuplanEnv` (no agents of its own);
 2. ``compute_planner_trajectory``: the devkit's ego state, tracked objects and traffic-light statuses are written
-   into that env's state and the observation is built by the env's own (shared) code (:class:`ObservationBuilder`);
-3. the policy's actions drive nuPlan's kinematic bicycle model forward (:func:`rollout_trajectory`, the env's
+   into that env's state and the observation is built by the env's own (shared) observation part
+   (:class:`ObservationBuilder`) in the layout the policy was trained with (the bundle's ``observation_layout``:
+   CaRL's CARLA observation, :class:`~envs.sim.parts.CarlaObserver`, or CaRL's nuPlan one,
+   :class:`~envs.nuplan.observation.NuplanObserver`);
+3. the policy's actions (in the bundle's action order: CaRL's nuPlan variant gives acceleration first) drive
+   nuPlan's kinematic bicycle model forward (:func:`rollout_trajectory`, the env's
    :func:`~envs.nuplan.dynamics.bicycle_step`) for the trajectory horizon; every ``replan_every`` steps the observation
    is re-built at the predicted pose with the agents moved at constant velocity; the poses become the devkit's
    ``InterpolatedTrajectory``.
@@ -33,19 +37,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from carl.bundle import load_policy
+from carl.bundle import action_names, load_policy, observation_layout
+from envs.api import ACTIONS, LAYOUT_CARLA, LAYOUT_NUPLAN, action_permutation
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario
 from envs.nuplan.config import NuplanOptions
-from envs.nuplan.dynamics import bicycle_step
+from envs.nuplan.dynamics import WHEELBASE, bicycle_step
 from envs.nuplan.env import NuplanEnv, grid_shifts
 from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import NuplanMap, load_location
+from envs.nuplan.dynamics import centre_kinematics
+from envs.nuplan.observation import NuplanObserver
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.infractions import route_progress
+from envs.sim.parts import CarlaObserver, Observer
 
 HORIZON_S, DT = 8.0, 0.1  # the devkit's default trajectory horizon and our simulation step
 PATCH_RADIUS = 80.0  # m around the route path
 LIGHT_STATUS = {"GREEN": 0, "YELLOW": 1, "RED": 2, "UNKNOWN": 3}
+ROLLOUT_ACTIONS = ACTIONS  # the action order rollout_trajectory's ``act`` returns (bicycle_step's default order)
+OBSERVERS: dict[str, type[Observer]] = {LAYOUT_CARLA: CarlaObserver, LAYOUT_NUPLAN: NuplanObserver}
 
 ActionFn = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -91,13 +101,19 @@ def route_path(m: NuplanMap, start: np.ndarray, roadblocks: list[str]) -> np.nda
 
 
 class ObservationBuilder:
-    """CaRL's observation for devkit-style inputs, built with the env's own code on a one-row :class:`NuplanEnv`
-    whose map patch covers the route. All poses are global (map frame); agents are [N, 7] arrays of x, y, heading,
-    length, width, vx, vy (box centres)."""
+    """CaRL's observation for devkit-style inputs, built with the env's own observation part on a one-row
+    :class:`NuplanEnv` whose map patch covers the route. All poses are global (map frame); agents are [N, 7] arrays
+    of x, y, heading, length, width, vx, vy (box centres).
+
+    ``layout``: the observation the policy expects (``carla`` or ``nuplan``, a bundle's ``observation_layout``);
+    ``action_names``: the order of the policy's action components (a bundle's ``action_names``), in which
+    ``set_state`` takes the last action."""
 
     def __init__(self, m: NuplanMap, ego_rear: np.ndarray, ego_yaw: float, roadblocks: list[str],
                  sim: dict | None = None, cache_dir: str | None = None, radius: float = PATCH_RADIUS,
-                 frames: int = 200) -> None:
+                 frames: int = 200, layout: str = LAYOUT_CARLA, action_names: tuple[str, ...] = ACTIONS) -> None:
+        if layout not in OBSERVERS:
+            raise ValueError(f"observation layout {layout!r}: this planner builds {sorted(OBSERVERS)}")
         centre = np.asarray(ego_rear, np.float64) + REAR_AXLE_TO_CENTRE * np.array([math.cos(ego_yaw),
                                                                                       math.sin(ego_yaw)])
         path = route_path(m, centre, [str(r) for r in roadblocks])
@@ -118,22 +134,41 @@ class ObservationBuilder:
         opts = NuplanOptions(cache_dir=cache_dir, route_split="eval", sim=dict(sim or {})).validate()
         self.env = NuplanEnv([sc], opts, 1, "cpu", 0)
         self.env.reset(seed=0)
+        self.layout, self.action_names = layout, tuple(action_names)
+        self.observer = OBSERVERS[layout]()
+        self.observer.bind(self.env)
+        self.frames = frames
 
     def to_world(self, xy: np.ndarray) -> np.ndarray:
         return np.asarray(xy, np.float64) - self.origin + self.shift
 
     def set_state(self, ego_rear: np.ndarray, ego_yaw: float, speed: float, accel: float, steer: float,
                   last_action: np.ndarray, vehicles: np.ndarray, pedestrians: np.ndarray, statics: np.ndarray,
-                  lights: dict[int, int], t: float) -> None:
+                  lights: dict[int, int], t: float, kinematics: dict[str, Any] | None = None) -> None:
+        """Write the inputs into the env's state. ``last_action``: the policy's last action, in its order
+        (``action_names``); ``kinematics``: the ego at its centre as :func:`~envs.nuplan.dynamics.centre_kinematics`
+        gives it (``vel`` and ``acc`` (x, y) in the body frame, ``steer_rate``, ``yaw_rate``, ``yaw_acc``; the
+        devkit's own values at the current step), default that of a car driving straight at ``speed``."""
         s, env = self.env.state, self.env
         f = lambda a: torch.as_tensor(np.asarray(a, np.float32))  # noqa: E731
         rear = f(self.to_world(ego_rear)).reshape(1, 2)
         yaw = f([ego_yaw])
         s.ego_xy = rear + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
         s.ego_yaw, s.ego_speed, s.ego_accel, s.ego_steer = yaw, f([speed]), f([accel]), f([steer])
-        s.ego_vel_local = f([[speed, 0.0]])  # the devkit's ego moves along its heading (rear-axle bicycle)
+        k = kinematics or {"vel": (speed, 0.0), "acc": (accel, 0.0), "steer_rate": 0.0, "yaw_rate": 0.0,
+                           "yaw_acc": 0.0}
+        s.ego_vel_local, s.ego_acc_local = f([k["vel"]]), f([k["acc"]])
+        s.ego_steer_rate, s.ego_yaw_rate, s.ego_yaw_acc = f([k["steer_rate"]]), f([k["yaw_rate"]]), f([k["yaw_acc"]])
         la = np.asarray(last_action, np.float32).reshape(-1)
-        s.last_action = f([[la[0], max(la[1], 0.0), max(-la[1], 0.0)]])
+        steer_cmd, lon = la[action_permutation(self.action_names, ACTIONS)]
+        s.last_action = f([[steer_cmd, max(lon, 0.0), max(-lon, 0.0)]])  # the CARLA layout's measurements
+        env_order = tuple(getattr(env, "action_names", ACTIONS))  # the nuPlan layout's: raw, in the env's order
+        s.raw_action = f(la[action_permutation(self.action_names, env_order)]).reshape(1, 2)
+        for name, default in (("progress", 0.0), ("comfort_score", 1.0), ("ttc_score", 1.0)):
+            if getattr(s, name, None) is None:  # critic-only values: the actor never reads them
+                setattr(s, name, f([default]))
+        if getattr(s, "horizon", None) is None:
+            s.horizon = torch.tensor([self.frames - 1])
         s.route_idx = route_progress(env.world, s.route_id, s.route_idx, s.ego_xy)
         s.t = f([t])
 
@@ -166,12 +201,13 @@ class ObservationBuilder:
         for lc, status in lights.items():
             if int(lc) in self.light_col:
                 state[self.light_col[int(lc)]] = int(status)
-        env.log_lights[0, 0] = state
+        env.log_lights[0, :] = state  # every frame: the observation reads the frame of s.steps
         zero = torch.zeros(1, dtype=torch.long)
         s.light_offset = env.light_offsets(zero, zero, s.t, s.light_offset)
 
     def observe(self) -> dict[str, Tensor]:
-        return self.env._observe(self.env.state)
+        """The observation of the state written by :meth:`set_state`, in the policy's layout."""
+        return self.observer.observe(self.env.state)
 
 
 def propagate(agents: np.ndarray, dt: float) -> np.ndarray:
@@ -185,20 +221,29 @@ def plan(builder: ObservationBuilder, policy: Callable[[dict[str, Tensor]], Tens
          vehicles: np.ndarray, pedestrians: np.ndarray, statics: np.ndarray, lights: dict[int, int], t: float,
          last_action: np.ndarray, steps: int = int(HORIZON_S / DT), replan_every: int = 5) -> tuple[np.ndarray, np.ndarray]:
     """The policy's trajectory from the current inputs: [steps + 1, 7] (see :func:`rollout_trajectory`) and the
-    first action. ``ego``: rear (global [2]), yaw, speed, accel, steer."""
+    first action (in the policy's order, ``builder.action_names``; so is ``last_action``). ``ego``: rear (global
+    [2]), yaw, speed, accel, steer, and optionally ``kinematics`` (the devkit's centre velocity, acceleration, steering
+    rate, yaw rate and yaw acceleration: see :meth:`ObservationBuilder.set_state`)."""
     held = {"action": torch.as_tensor(np.asarray(last_action, np.float32)).reshape(1, 2), "first": None}
+    to_rollout = action_permutation(builder.action_names, ROLLOUT_ACTIONS)
+    prev = {"steer": float(ego["steer"]), "yaw_rate": float(ego["speed"]) * math.tan(float(ego["steer"])) / WHEELBASE}
 
     def act(k: int, rear: Tensor, yaw: Tensor, speed: Tensor, accel: Tensor, steer: Tensor) -> Tensor:
+        if k == 0 and ego.get("kinematics") is not None:
+            kin = dict(ego["kinematics"])
+        else:  # the model's own state, as the env derives it
+            kin = centre_kinematics(float(speed), float(accel), float(steer), prev["steer"], prev["yaw_rate"], DT)
+        prev["steer"], prev["yaw_rate"] = float(steer), float(speed) * math.tan(float(steer)) / WHEELBASE
         if k % max(1, replan_every) == 0:
             builder.set_state(rear[0].numpy().astype(np.float64) + builder.origin, float(yaw), float(speed),
                               float(accel), float(steer),
                               held["action"].numpy(), propagate(vehicles, k * DT), propagate(pedestrians, k * DT),
-                              statics, lights, t + k * DT)
+                              statics, lights, t + k * DT, kinematics=kin)
             with torch.no_grad():
                 held["action"] = torch.as_tensor(policy(builder.observe())).reshape(1, 2).float().cpu()
             if held["first"] is None:
                 held["first"] = held["action"].clone()
-        return held["action"]
+        return held["action"][:, to_rollout]
 
     # rolled out in the patch's local frame (float32 global map coordinates would lose centimetres)
     traj = rollout_trajectory(np.asarray(ego["rear"], np.float64) - builder.origin, ego["yaw"], ego["speed"],
@@ -234,6 +279,7 @@ class CarlPlanner(_Base):  # type: ignore[misc, valid-type]
         if not NUPLAN_AVAILABLE:
             raise ImportError(DEVKIT_MISSING)
         self.policy, self.spec = load_policy(policy_path, device=device, deterministic=True)
+        self.layout, self.action_names = observation_layout(self.spec), action_names(self.spec)
         self.maps_root = maps_root or os.environ.get("NUPLAN_MAPS_ROOT")
         if not self.maps_root:
             raise ValueError("CarlPlanner: give maps_root= or set NUPLAN_MAPS_ROOT (the nuPlan maps folder)")
@@ -272,7 +318,8 @@ class CarlPlanner(_Base):  # type: ignore[misc, valid-type]
         if self.builder is None:
             m = load_location(self.maps_root, self._init.map_api.map_name)
             self.builder = ObservationBuilder(m, rear, yaw, list(self._init.route_roadblock_ids),
-                                              sim=self._sim_overrides(), cache_dir=self.cache_dir)
+                                              sim=self._sim_overrides(), cache_dir=self.cache_dir,
+                                              layout=self.layout, action_names=self.action_names)
             self.t0 = ego_state.time_point.time_s
 
         def boxes(types: list[Any]) -> np.ndarray:
@@ -287,9 +334,13 @@ class CarlPlanner(_Base):  # type: ignore[misc, valid-type]
                          TrackedObjectType.GENERIC_OBJECT])
         lights = {int(d.lane_connector_id): LIGHT_STATUS.get(d.status.name, 3)
                   for d in (current_input.traffic_light_data or [])}
-        ego = {"rear": rear, "yaw": yaw, "speed": float(ego_state.dynamic_car_state.rear_axle_velocity_2d.x),
-               "accel": float(ego_state.dynamic_car_state.rear_axle_acceleration_2d.x),
-               "steer": float(ego_state.tire_steering_angle)}
+        dyn = ego_state.dynamic_car_state
+        ego = {"rear": rear, "yaw": yaw, "speed": float(dyn.rear_axle_velocity_2d.x),
+               "accel": float(dyn.rear_axle_acceleration_2d.x), "steer": float(ego_state.tire_steering_angle),
+               "kinematics": {"vel": (float(dyn.center_velocity_2d.x), float(dyn.center_velocity_2d.y)),
+                              "acc": (float(dyn.center_acceleration_2d.x), float(dyn.center_acceleration_2d.y)),
+                              "steer_rate": float(dyn.tire_steering_rate), "yaw_rate": float(dyn.angular_velocity),
+                              "yaw_acc": float(dyn.angular_acceleration)}}
         traj, first = plan(self.builder, self.policy, ego, vehicles, peds, statics, lights,
                            ego_state.time_point.time_s - self.t0, self.last_action, self.steps, self.replan_every)
         self.last_action = first

@@ -22,7 +22,7 @@ from envs.routes import parse_leaderboard_xml
 from envs.sim.agents import (LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER, PEDESTRIAN_HALF,
                               Pedestrians, Vehicles)
 from envs.sim.config import SimConfig
-from envs.sim.env import map_routes
+from envs.sim.world import map_routes
 from envs.sim.world import World, build_world
 
 # carla.VehicleLightState bits (0.9.16) that CaRL's BEV draws

@@ -95,7 +95,8 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
             conn.send(("server", server.proc.pid))
             server.wait_ready()
         env = CarlaWorker(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
-        conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high) for k, v in env.observation_spec.items()},
+        conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high, v.names)
+                                      for k, v in env.observation_spec.items()},
                              "route_names": env.route_names, "route_lengths": env.route_lengths}))
         while True:
             cmd, arg = conn.recv()
@@ -162,8 +163,9 @@ class CarlaVectorEnv(BatchedEnv):
         except BaseException:
             self.close()
             raise
-        self.observation_spec = {k: TensorSpec(tuple(shape), getattr(torch, dtype.split(".")[-1]), low, high)
-                                 for k, (shape, dtype, low, high) in ready[0]["spec"].items()}
+        self.observation_spec = {k: TensorSpec(tuple(shape), getattr(torch, dtype.split(".")[-1]), low, high,
+                                               tuple(names))
+                                 for k, (shape, dtype, low, high, names) in ready[0]["spec"].items()}
         self.route_names: list[str] = ready[0]["route_names"]  # every route of the town, by route id
         self.route_lengths: list[float] = ready[0]["route_lengths"]
 

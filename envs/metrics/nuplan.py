@@ -14,6 +14,9 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from envs.comfort import comfort_checks, comfort_signals, rear_axle_to_center_acceleration
 
 # multipliers
 DRIVABLE_MAX_VIOLATION = 0.3  # m
@@ -30,8 +33,6 @@ TTC_THRESHOLD, TTC_HORIZON, TTC_STEP = 0.95, 3.0, 0.1
 TTC_AHEAD_ANGLE = math.radians(30.0)
 TTC_STOPPED_SPEED = 0.005
 SPEED_VIOLATION_MAX = 2.23  # m/s
-COMFORT_BOUNDS = {"lon_acc": (-4.05, 2.40), "lat_acc": 4.89, "jerk": 8.37, "lon_jerk": 4.13, "yaw_acc": 1.93,
-                  "yaw_rate": 0.95}
 MULTIPLIERS = ("no_at_fault_collisions", "drivable_area_compliance", "driving_direction_compliance",
                "making_progress")
 
@@ -66,14 +67,16 @@ def segment_hits_box(p0: np.ndarray, p1: np.ndarray, box: np.ndarray) -> bool:
 
 # ---------------------------------------------------------------------------------------------- multipliers
 def collision_type(ego_xy: np.ndarray, ego_yaw: float, ego_half: np.ndarray, ego_speed: float, obj_xy: np.ndarray,
-                   obj_yaw: float, obj_half: np.ndarray, obj_speed: float, obj_static: bool) -> str:
+                   obj_yaw: float, obj_half: np.ndarray, obj_speed: float, obj_static: bool,
+                   rear_xy: np.ndarray | None = None) -> str:
     """nuPlan's classification of one collision: STOPPED_EGO, STOPPED_TRACK, ACTIVE_REAR, ACTIVE_FRONT or
-    ACTIVE_LATERAL (in that order of precedence)."""
+    ACTIVE_LATERAL (in that order of precedence). "Behind" is judged from the rear axle ``rear_xy`` (the ego centre
+    when not given), as the devkit does."""
     if ego_speed <= STOPPED_SPEED:
         return "STOPPED_EGO"
     if obj_static or obj_speed <= STOPPED_SPEED:
         return "STOPPED_TRACK"
-    rel = np.asarray(obj_xy) - np.asarray(ego_xy)
+    rel = np.asarray(obj_xy) - np.asarray(ego_xy if rear_xy is None else rear_xy)
     angle = abs((math.atan2(rel[1], rel[0]) - ego_yaw + math.pi) % (2 * math.pi) - math.pi)
     if angle > REAR_ANGLE:
         return "ACTIVE_REAR"
@@ -116,6 +119,23 @@ def driving_direction_compliance(lane_progress: np.ndarray, dt: float = 0.1) -> 
     return 1.0 if worst < DIRECTION_COMPLIANT else 0.5 if worst < DIRECTION_VIOLATION else 0.0
 
 
+def path_progress(points: np.ndarray, path: np.ndarray) -> float:
+    """Summed per-frame progress [m] of ``points`` [T, 2] along the polyline ``path`` [M, 2]: each point's arc length
+    at its nearest point of the path, differenced frame to frame (backwards steps count negative)."""
+    points, path = np.asarray(points, np.float64), np.asarray(path, np.float64)
+    if len(points) < 2 or len(path) < 2:
+        return 0.0
+    a, d = path[:-1], np.diff(path, axis=0)  # [M-1, 2]
+    seg_len = np.linalg.norm(d, axis=-1)
+    cum = np.concatenate([[0.0], np.cumsum(seg_len)])
+    rel = points[:, None, :] - a[None]  # [T, M-1, 2]
+    u = np.clip((rel * d).sum(-1) / np.maximum(seg_len ** 2, 1e-12), 0.0, 1.0)
+    dist = np.linalg.norm(rel - u[..., None] * d, axis=-1)
+    k = dist.argmin(-1)
+    arc = cum[k] + u[np.arange(len(points)), k] * seg_len[k]
+    return float(np.diff(arc).sum())
+
+
 def progress_ratio(ego_progress: float, expert_progress: float | None) -> float:
     """``ego_progress_along_expert_route``: min(1, max(P_ego, 2) / max(P_exp, 2)); 0 if P_ego < −2 m; 1 without
     an expert route."""
@@ -131,49 +151,6 @@ def making_progress(ratio: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- weighted
-def time_to_collision_within_bound(ego_xy: np.ndarray, ego_yaw: np.ndarray, ego_speed: np.ndarray,
-                                   ego_half: np.ndarray, obj_xy: np.ndarray, obj_yaw: np.ndarray,
-                                   obj_speed: np.ndarray, obj_half: np.ndarray, obj_valid: np.ndarray,
-                                   ego_in_intersection: np.ndarray | None = None,
-                                   at_fault_collision: np.ndarray | None = None) -> float:
-    """1 if the time to collision stays above 0.95 s at every step, else 0.
-
-    ego_* [T] (xy [T, 2]); obj_* [T, N] (xy [T, N, 2], half [T, N, 2]). Ego and objects move at constant speed
-    and heading in 0.1 s steps up to 3 s. Only objects ahead (within 30° of the heading) count, or every object not
-    behind when the ego is in an intersection. Objects already overlapping the ego are excluded; steps with an
-    at-fault collision have TTC 0; TTC stays infinite while the ego is stopped (≤ 0.005 m/s).
-    """
-    T = len(ego_speed)
-    inter = np.zeros(T, bool) if ego_in_intersection is None else np.asarray(ego_in_intersection, bool)
-    fault = np.zeros(T, bool) if at_fault_collision is None else np.asarray(at_fault_collision, bool)
-    times = np.arange(1, int(round(TTC_HORIZON / TTC_STEP)) + 1) * TTC_STEP
-    for t in range(T):
-        if fault[t]:
-            return 0.0
-        if ego_speed[t] <= TTC_STOPPED_SPEED or obj_xy.shape[1] == 0:
-            continue
-        rel = obj_xy[t] - ego_xy[t]
-        ang = np.abs((np.arctan2(rel[:, 1], rel[:, 0]) - ego_yaw[t] + np.pi) % (2 * np.pi) - np.pi)
-        relevant = obj_valid[t] & ((ang < TTC_AHEAD_ANGLE) | (inter[t] & (ang < REAR_ANGLE)))
-        now = boxes_overlap(box_corners(ego_xy[t], np.asarray(ego_yaw[t]), ego_half)[None],
-                            box_corners(obj_xy[t], obj_yaw[t], obj_half[t]))
-        relevant &= ~now
-        if not relevant.any():
-            continue
-        ed = np.array([math.cos(ego_yaw[t]), math.sin(ego_yaw[t])])
-        od = np.stack([np.cos(obj_yaw[t]), np.sin(obj_yaw[t])], -1)
-        idx = np.nonzero(relevant)[0]
-        for tau in times:
-            if tau > TTC_THRESHOLD + 1e-9:
-                break
-            e = box_corners(ego_xy[t] + ed * ego_speed[t] * tau, np.asarray(ego_yaw[t]), ego_half)
-            o = box_corners(obj_xy[t, idx] + od[idx] * (obj_speed[t, idx] * tau)[:, None], obj_yaw[t, idx],
-                            obj_half[t, idx])
-            if boxes_overlap(e[None], o).any():
-                return 0.0
-    return 1.0
-
-
 def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float = 0.1) -> float:
     """1 − Σ(overspeed · dt) / (2.23 m/s · duration), floored at 0; duration = (T − 1) · dt (≥ dt)."""
     speed, limit = np.asarray(speed, np.float64), np.asarray(limit, np.float64)
@@ -182,59 +159,18 @@ def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float = 0.1
     return max(0.0, 1.0 - float(over.sum() * dt) / (SPEED_VIOLATION_MAX * duration))
 
 
-def savgol(x: np.ndarray, window: int, order: int, deriv: int, dt: float) -> np.ndarray:
-    """Savitzky–Golay filter (least-squares polynomial per window; edges use the first/last full window, as
-    scipy's ``mode='interp'``). The window shrinks to the signal length when the signal is shorter.
+def ego_is_comfortable(accel: np.ndarray, yaw_rate: np.ndarray, yaw_acc: np.ndarray, heading: np.ndarray,
+                       rear_to_centre: float, dt: float = 0.1) -> float:
+    """1 if the six comfort signals stay within their bounds over the whole run, else 0. Inputs per state: the rear
+    axle's acceleration along the heading (nuPlan's bicycle model has no lateral one), yaw rate, yaw acceleration
+    and heading; the signals are derived as the devkit does (:mod:`envs.comfort`)."""
+    def row(a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(a, np.float64)).reshape(1, -1)
 
-    Vectorised: the fitted polynomial's ``deriv``-th derivative at offset o of a window is a fixed linear combination
-    of the window's samples (a row of the pseudo-inverse of the Vandermonde matrix), so every output is one dot
-    product with its window (same values as a per-sample ``np.polyfit``)."""
-    x = np.asarray(x, np.float64)
-    n = len(x)
-    w = min(window, n)
-    order = min(order, w - 1)
-    if w < 2:
-        return np.zeros_like(x) if deriv else x.copy()
-    if deriv > order:
-        return np.zeros(n)
-    t = np.arange(w) * dt
-    pinv = np.linalg.pinv(np.vander(t, order + 1, increasing=True))  # [order+1, w]: samples -> coefficients
-    j = np.arange(order + 1)
-    fact = np.array([math.perm(int(k), deriv) if k >= deriv else 0 for k in j], np.float64)
-    powers = np.where(j >= deriv, np.power.outer(t, np.clip(j - deriv, 0, None)), 0.0)  # [w (offset), order+1]
-    weights = (powers * fact) @ pinv  # [offset, w]
-    half = (w - 1) // 2
-    idx = np.arange(n)
-    start = np.clip(idx - half, 0, n - w)
-    windows = np.lib.stride_tricks.sliding_window_view(x, w)[start]  # [n, w]
-    return np.einsum("nw,nw->n", weights[idx - start], windows)
-
-
-def comfort_signals(speed: np.ndarray, yaw: np.ndarray, dt: float = 0.1,
-                    accel: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The six comfort signals at the vehicle centre: acceleration smoothed (window 8, order 2), jerk as its SG
-    derivative (15, 2), yaw rate as the SG derivative of the unwrapped heading (15, 2) and yaw acceleration its 2nd
-    derivative (15, 3); lateral acceleration = speed · yaw rate."""
-    speed = np.asarray(speed, np.float64)
-    a_raw = np.gradient(speed, dt) if accel is None else np.asarray(accel, np.float64)
-    lon_acc = savgol(a_raw, 8, 2, 0, dt)
-    lon_jerk = savgol(lon_acc, 15, 2, 1, dt)
-    h = np.unwrap(np.asarray(yaw, np.float64))
-    yaw_rate = savgol(h, 15, 2, 1, dt)
-    yaw_acc = savgol(h, 15, 3, 2, dt)
-    lat_acc = speed * yaw_rate
-    lat_jerk = np.gradient(lat_acc, dt) if len(lat_acc) > 1 else np.zeros_like(lat_acc)
-    return {"lon_acc": lon_acc, "lat_acc": lat_acc, "jerk": np.hypot(lon_jerk, lat_jerk), "lon_jerk": lon_jerk,
-            "yaw_acc": yaw_acc, "yaw_rate": yaw_rate}
-
-
-def ego_is_comfortable(signals: dict[str, np.ndarray]) -> float:
-    """1 if every signal stays within its bound over the whole run, else 0."""
-    lo, hi = COMFORT_BOUNDS["lon_acc"]
-    ok = bool(np.all((signals["lon_acc"] > lo) & (signals["lon_acc"] < hi)))
-    for k in ("lat_acc", "jerk", "lon_jerk", "yaw_acc", "yaw_rate"):
-        ok &= bool(np.all(np.abs(signals[k]) < COMFORT_BOUNDS[k]))
-    return 1.0 if ok else 0.0
+    n = torch.tensor([len(heading)])
+    c = rear_axle_to_center_acceleration(row(accel), row(yaw_rate), row(yaw_acc), rear_to_centre)
+    signals = comfort_signals(c.lon, c.lat, row(heading), n, dt, acc_magnitude=c.rear_magnitude)
+    return 1.0 if bool(comfort_checks(signals, n).all()) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- aggregation

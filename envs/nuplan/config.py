@@ -24,6 +24,9 @@ class NuplanOptions:
     route_split: str = "train"  # "train": random scenarios; "eval": each scenario once, in order
     workers: int = 1  # cache build processes
     score: bool = True  # record the per-step trace and report nuPlan's closed-loop score per episode
+    run_to_end: bool | None = None  # episodes run to the scenario's last frame, no event ends them (the devkit's
+    # closed loop); false: CaRL's training episodes (hard infractions end them, 2 frames before the end). None: eval
+    action_order: tuple[str, ...] = ("accel", "steer")  # CaRL nuPlan (§16.1); ("steer", "accel"): the CARLA order
     sim: dict = field(default_factory=dict)  # SimConfig overrides (bev_size, reward, ...)
 
     def validate(self) -> "NuplanOptions":
@@ -32,5 +35,7 @@ class NuplanOptions:
                     f"env.options.route_split={self.route_split!r}: use 'train' or 'eval'")
         checks.need(self.max_scenarios >= 1, f"env.options.max_scenarios={self.max_scenarios}: must be >= 1")
         checks.need(bool(self.cache_dir), "env.options.cache_dir: set the scenario cache folder")
+        checks.need(sorted(self.action_order) == ["accel", "steer"],
+                    f"env.options.action_order={list(self.action_order)}: use [accel, steer] or [steer, accel]")
         checks.done()
         return self

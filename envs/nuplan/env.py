@@ -40,11 +40,14 @@ from envs.nuplan.dynamics import EGO_HALF, WHEELBASE, NuplanBicycle
 from envs.sim.env import SimEnv, SimState
 from envs.sim.geometry import wrap_angle
 from envs.sim.infractions import HISTORY
-from envs.sim.parts import ActorSource, LightCycle, StartSource, StepHook
+from envs.sim.parts import ActorSource, LightCycle, StartSource
 from envs.sim.world import build_world, lane_lookup
-from envs.sim.geometry import boxes_overlap
-from envs.sim.infractions import HARD
+from envs.api import TensorSpec
+from envs.nuplan.carl_reward import CarlNuplanReward
+from envs.nuplan.observation import NuplanObserver
+from envs.nuplan.scoring import NuplanMetrics
 from envs.metrics import nuplan as M
+from envs.sim.infractions import HARD
 
 # light model: a 3 s cycle per light group; the logged state picks the time inside it
 LIGHT_PHASE = (1.0, 1.0, 1.0)  # green, yellow, all-red
@@ -52,11 +55,6 @@ LIGHT_REL = (0.5, 1.5, 2.5, 0.5)  # green, yellow, red, unknown (shown as green)
 VEHICLE_TYPES, PEDESTRIAN_TYPES = (0, 2), (1,)
 IDM_TARGET_SPEED = 10.0  # m/s, nuPlan IDMAgents
 GRID_MARGIN = 100.0  # m between scenario map patches
-NO_SPEED_LIMIT = 1e3  # m/s: off the lanes there is no speed limit to break
-OFF_LANE_M = 10.0  # corner distance to the drivable area when the corner is on no lane at all
-TTC_NEAREST_NUPLAN = 8  # actors considered per step by the nuPlan TTC check (nearest valid ones)
-TRACE_KEYS = ("speed", "yaw", "accel", "limit", "lane_prog", "outside", "multi_lane", "junction", "ttc")
-NUPLAN_COMPONENTS = M.MULTIPLIERS + tuple(M.WEIGHTS)
 
 
 @dataclass
@@ -64,8 +62,18 @@ class NuplanState(SimState):
     """SimState plus the log-replay and bicycle-model state (set by the parts when an episode starts)."""
 
     scenario: Tensor = None  # [B] index into the env's scenarios
+    horizon: Tensor = None  # [B] steps of the row's scenario (its own length, not the batch's)
+    ego_rear: Tensor = None  # [B, 2] float64 rear axle in the scenario's own frame (batch-independent precision)
     ego_accel: Tensor = None  # [B] rear-axle longitudinal acceleration (lagged)
     ego_steer: Tensor = None  # [B] tire steering angle
+    ego_steer_rate: Tensor = None  # [B] rad/s
+    ego_yaw_rate: Tensor = None  # [B] rad/s
+    ego_yaw_acc: Tensor = None  # [B] rad/s², finite difference of the yaw rate
+    ego_acc_local: Tensor = None  # [B, 2] acceleration of the centre, body frame (forward, left)
+    raw_action: Tensor = None  # [B, 2] last action in the env's action order (zeros at the start)
+    progress: Tensor = None  # [B] CaRL's nuPlan route completion (0..1, best so far)
+    comfort_score: Tensor = None  # [B] CaRL's comfort factor now (1 at the start)
+    ttc_score: Tensor = None  # [B] CaRL's TTC factor now
 
 
 def merge_graphs(graphs: list[LaneGraph], shifts: np.ndarray, name: str) -> tuple[LaneGraph, np.ndarray, np.ndarray]:
@@ -97,43 +105,6 @@ def _pad_stack(arrays: list[np.ndarray], n: int, t: int) -> np.ndarray:
     return out
 
 
-def box_corners_t(xy: Tensor, yaw: Tensor, half: Tensor) -> Tensor:
-    """Corners [..., 4, 2] (front-left, front-right, rear-right, rear-left) of oriented boxes (torch)."""
-    f = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-    l = torch.stack((-torch.sin(yaw), torch.cos(yaw)), -1)
-    f, l = f * half[..., :1], l * half[..., 1:2]
-    return torch.stack((xy + f + l, xy + f - l, xy - f - l, xy - f + l), -2)
-
-
-def nuplan_ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: Tensor, junction: Tensor,
-                         xy: Tensor, yaw: Tensor, speed: Tensor, half: Tensor, valid: Tensor) -> Tensor:
-    """nuPlan's time-to-collision check for one step, batched [B]: True when the TTC is at most 0.95 s.
-
-    Ego and actors move at constant speed and heading in 0.1 s steps (only steps up to the 0.95 s bound matter);
-    relevant actors are ahead (within 30° of the ego heading) or, in an intersection, not behind (150°); actors
-    already overlapping the ego are excluded; a stopped ego (<= 0.005 m/s) has no TTC."""
-    rel = xy - ego_xy.unsqueeze(1)
-    ang = wrap_angle(torch.atan2(rel[..., 1], rel[..., 0]) - ego_yaw.unsqueeze(1)).abs()
-    relevant = valid & ((ang < M.TTC_AHEAD_ANGLE) | (junction.unsqueeze(1) & (ang < M.REAR_ANGLE)))
-    now = boxes_overlap(ego_xy.unsqueeze(1), ego_yaw.unsqueeze(1), ego_half.unsqueeze(1), xy, yaw, half)
-    relevant = relevant & ~now
-    if xy.shape[1] > TTC_NEAREST_NUPLAN:
-        dist = torch.where(relevant, rel.norm(dim=-1), torch.full_like(speed, 1e9))
-        near = dist.topk(TTC_NEAREST_NUPLAN, dim=1, largest=False).indices
-        xy = xy.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
-        half = half.gather(1, near.unsqueeze(-1).expand(-1, -1, 2))
-        yaw, speed, relevant = yaw.gather(1, near), speed.gather(1, near), relevant.gather(1, near)
-    n = int(M.TTC_THRESHOLD / M.TTC_STEP + 1e-6)
-    tt = torch.arange(1, n + 1, device=ego_xy.device, dtype=ego_xy.dtype) * M.TTC_STEP  # [K]
-    ed = torch.stack((torch.cos(ego_yaw), torch.sin(ego_yaw)), -1) * ego_speed.unsqueeze(-1)
-    od = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * speed.unsqueeze(-1)
-    ego_f = ego_xy[:, None, None] + ed[:, None, None] * tt[None, None, :, None]  # [B,1,K,2]
-    oth_f = xy[:, :, None] + od[:, :, None] * tt[None, None, :, None]  # [B,N,K,2]
-    hit = boxes_overlap(ego_f, ego_yaw[:, None, None], ego_half[:, None, None], oth_f, yaw[..., None],
-                        half[:, :, None])
-    return (hit.any(-1) & relevant).any(-1) & (ego_speed > M.TTC_STOPPED_SPEED)
-
-
 class NuplanEnv(SimEnv):
     """Closed-loop simulation of cached nuPlan scenarios (see the module docstring): the core with nuPlan's parts
     and the scenarios' logs (``log_*`` tensors in the world frame, read by the parts)."""
@@ -150,25 +121,39 @@ class NuplanEnv(SimEnv):
         graph, lane_off, junc_off = merge_graphs(graphs, shifts, f"nuplan_{len(scenarios)}")
         routes = [Route(sc.token, sc.route.points + shifts[k].astype(np.float32), sc.route.lanes + lane_off[k])
                   for k, sc in enumerate(scenarios)]
-        T = min(sc.num_frames for sc in scenarios)
         self.num_frames = max(sc.num_frames for sc in scenarios)
+        run_to_end = opts.route_split == "eval" if opts.run_to_end is None else opts.run_to_end
+        # each scenario's own horizon: the devkit simulates to the last frame; CaRL's training stops 2 frames before
+        self.horizons = torch.tensor([sc.num_frames - (1 if run_to_end else 2) for sc in scenarios], device=dev)
+        if int(self.horizons.min()) < 1:
+            short = [sc.token for sc in scenarios if sc.num_frames < 3]
+            raise ConfigError(f"env=nuplan: scenarios {short[:8]} have fewer than 3 frames; rebuild the cache or "
+                              "filter them out (env.options.tokens)")
         kinds = [np.isin(sc.agent_types, VEHICLE_TYPES) for sc in scenarios]
         peds = [np.isin(sc.agent_types, PEDESTRIAN_TYPES) for sc in scenarios]
         n_veh = max(1, max(int(k.sum()) for k in kinds))
         n_ped = max(1, max(int(p.sum()) for p in peds))
         n_st = max(1, max(int((~k & ~p).sum()) for k, p in zip(kinds, peds)))
         sim = {"map": "nuplan", "dt": 0.1, "wheelbase": WHEELBASE, "ego_half_extent": EGO_HALF,
-               "max_time": (T - 2) * 0.1 - 0.05, "num_vehicles": n_veh, "num_pedestrians": n_ped,
+               "max_time": (self.num_frames + 1) * 0.1, "num_vehicles": n_veh, "num_pedestrians": n_ped,
                "num_statics": n_st, "route_split": opts.route_split, "light_green": LIGHT_PHASE[0],
                "light_yellow": LIGHT_PHASE[1], "light_all_red": LIGHT_PHASE[2], "map_ppm": 2.0,
-               "cache_dir": str(Path(opts.cache_dir) / "_rasters"), "reward": {"terminal_penalty": 0.0}}
+               "cache_dir": str(Path(opts.cache_dir) / "_rasters"), "reward": {"mode": "carl_nuplan"}}
         for k, v in opts.sim.items():
             sim[k] = {**sim.get(k, {}), **v} if isinstance(v, dict) and isinstance(sim.get(k), dict) else v
         cfg = from_dict(SimConfig, sim, "env.options.sim").validate()
         world = build_world(graph, routes, cfg, dev)
+        self.run_to_end = run_to_end
+        self.action_names = tuple(opts.action_order)
+        self.action_spec = TensorSpec((2,), torch.float32, -1.0, 1.0, self.action_names)
+        self.rear_to_centre = REAR_AXLE_TO_CENTRE
+        self.shifts = torch.as_tensor(shifts, dtype=torch.float64, device=dev)  # scenario frame -> world frame
         super().__init__(cfg, num_envs, dev, seed, world=world, starts=LogStarts(), ego=NuplanBicycle(),
-                         actors=LogReplay(opts.reactive), lights=LoggedLights(), hooks=(NuplanMetrics(opts.score),),
-                         state_type=NuplanState, check_stop_lines=opts.red_light)
+                         actors=LogReplay(opts.reactive), lights=LoggedLights(), observer=NuplanObserver(),
+                         hooks=(NuplanMetrics(opts.score), CarlNuplanReward()), state_type=NuplanState,
+                         check_stop_lines=opts.red_light,
+                         # CaRL's nuPlan reward ends episodes by its own hard constraints; the devkit never does
+                         ending_events=() if run_to_end or cfg.reward.mode == "carl_nuplan" else HARD)
         # log tensors, world frame: [S, T, N, 7] = x, y, heading, length, width, vx, vy
         t_pad = self.num_frames
         f32 = lambda a: torch.as_tensor(a, dtype=torch.float32, device=dev)  # noqa: E731
@@ -191,6 +176,9 @@ class NuplanEnv(SimEnv):
             e[:, :2] += s
             ego.append(e[:, None])
         self.log_ego = f32(_pad_stack(ego, 1, t_pad)[:, :, 0])  # [S, T, 7]
+        # the same in each scenario's own frame, float64: the ego's pose and the expert read these
+        self.log_ego_local = torch.as_tensor(_pad_stack([sc.ego[:, None] for sc in scenarios], 1, t_pad)[:, :, 0],
+                                             dtype=torch.float64, device=dev)
         g_max = max(sc.lights.shape[1] for sc in scenarios)
         lights = np.full((len(scenarios), t_pad, g_max), 3, np.int64)
         junc = np.full((len(scenarios), g_max), world.num_junctions, np.int64)  # padding -> a spare column
@@ -203,10 +191,25 @@ class NuplanEnv(SimEnv):
         self.light_rel = torch.tensor(LIGHT_REL, device=dev)
         self.scenario_tokens = [sc.token for sc in scenarios]
         self.scenario_types = [sc.scenario_type for sc in scenarios]
-        # expert progress per scenario: the logged rear-axle path length over the simulated horizon (T - 2 steps)
-        self.expert_progress = np.array([
-            float(np.linalg.norm(np.diff(sc.ego[: max(sc.num_frames - 1, 1), :2], axis=0), axis=-1).sum())
-            for sc in scenarios])
+        # the expert's route (scenario frame) and the logged drive's progress along it over the scored horizon
+        self.route_paths = [sc.route.points.astype(np.float64) for sc in scenarios]
+        self._drivable: dict[int, Any] = {}
+        self.expert_progress = np.array([M.path_progress(logged_centres(sc)[: h + 1], p) for sc, p, h in
+                                         zip(scenarios, self.route_paths, self.horizons.tolist())])
+
+    def drivable_area(self, scenario: int):  # noqa: ANN201 - a shapely geometry (optional import)
+        """The drivable area of ``scenario`` (its frame) as one prepared shapely geometry, None when it was cached
+        without map polygons (e.g. the devkit planner adapter's scenario)."""
+        if scenario not in self._drivable:
+            sc = self.scenarios[scenario]
+            area = None
+            if len(sc.drivable):
+                import shapely
+
+                area = sc.geometry("drivable")
+                shapely.prepare(area)
+            self._drivable[scenario] = area
+        return self._drivable[scenario]
 
     @property
     def options(self) -> NuplanOptions:
@@ -263,11 +266,15 @@ class LogStarts(StartSource):
         return torch.randint(len(env.scenarios), (len(rows),), generator=env.gen, device=env.device)
 
     def place(self, s: NuplanState, rows: Tensor) -> None:
-        e = self.env.log_ego[s.route_id, 0]
+        env = self.env
+        e = env.log_ego[s.route_id, 0]
         yaw = e[:, 2]
         speed = e[:, 3].clamp(min=0.0)
         s.scenario = s.route_id.clone()  # one route per scenario
-        s.ego_xy = e[:, :2] + REAR_AXLE_TO_CENTRE * torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
+        s.horizon = env.horizons[s.scenario]
+        s.ego_rear = env.log_ego_local[s.scenario, 0, :2].clone()
+        s.ego_xy = (s.ego_rear + env.shifts[s.scenario]).float() + REAR_AXLE_TO_CENTRE * torch.stack(
+            (torch.cos(yaw), torch.sin(yaw)), -1)
         s.ego_yaw, s.ego_speed, s.ego_accel = yaw, speed, e[:, 5].clone()
         s.ego_vel_local = torch.stack((speed, torch.zeros_like(speed)), -1)
         s.hist_speed, s.hist_yaw = e[:, 3:4].repeat(1, HISTORY), yaw.unsqueeze(1).repeat(1, HISTORY)
@@ -328,125 +335,10 @@ class LoggedLights(LightCycle):
         s.light_offset = self.env.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
 
 
-class NuplanMetrics(StepHook):
-    """``episode/scenario`` of every episode; with ``score``, nuPlan's closed-loop score of finished episodes
-    (``episode/nuplan_score``, ``episode/nuplan/<metric>``) from a per-step trace of the metrics' inputs."""
-
-    env: NuplanEnv
-
-    def __init__(self, score: bool = True):
-        self.score = score
-
-    def bind(self, env: NuplanEnv) -> None:
-        super().bind(env)
-        # per-step trace for nuPlan's metrics: a ring buffer [B, L] per signal, written at column (steps - 1) % L
-        self.trace_len = env.num_frames + 2
-        self.trace = {k: torch.zeros(env.num_envs, self.trace_len, device=env.device,
-                                     dtype=torch.bool if k in ("multi_lane", "junction", "ttc") else torch.float32)
-                      for k in TRACE_KEYS}
-        self._rows = torch.arange(env.num_envs, device=env.device)
-
-    def episode_info(self, s: NuplanState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
-        info = {"episode/scenario": s.scenario.float()}
-        if self.score:
-            self._record_trace(s)
-            info.update(self._nuplan_scores(s, done, ending))
-        return info
-
-    def _record_trace(self, s: NuplanState) -> None:
-        """Write this step's metric inputs into the ring buffers (batched tensor ops, no host sync)."""
-        env = self.env
-        w, dt = env.world, env.cfg.dt
-        lane, _, lane_yaw, found, _ = lane_lookup(w, s.ego_xy)
-        corners = box_corners_t(s.ego_xy, s.ego_yaw, env.ego_half)  # [B, 4, 2]
-        c_lane, c_lat, _, c_found, c_width = lane_lookup(w, corners)
-        c_out = torch.where(c_found, (c_lat.abs() - c_width / 2).clamp(min=0.0),
-                            torch.full_like(c_lat, OFF_LANE_M))
-        junction = w.lane_junction[lane] & found
-        a_xy, a_yaw, a_speed, a_half, a_valid = env.obstacles(s, include_ego=False)
-        values = {
-            "speed": s.ego_speed, "yaw": s.ego_yaw, "accel": s.ego_accel,
-            "limit": torch.where(found, w.lane_speed[lane], torch.full_like(s.ego_speed, NO_SPEED_LIMIT)),
-            # progress along the current lane's baseline this step (negative = against the lane direction)
-            "lane_prog": torch.where(found, s.ego_speed * dt * torch.cos(s.ego_yaw - lane_yaw),
-                                     torch.zeros_like(s.ego_speed)),
-            "outside": c_out.max(-1).values,
-            "multi_lane": (~c_found | (c_lane != lane.unsqueeze(-1))).any(-1),
-            "junction": junction,
-            "ttc": nuplan_ttc_violation(s.ego_xy, s.ego_yaw, s.ego_speed, env.ego_half, junction, a_xy, a_yaw,
-                                        a_speed, a_half, a_valid),
-        }
-        col = (s.steps - 1).clamp(min=0) % self.trace_len
-        for k, v in values.items():
-            self.trace[k][self._rows, col] = v
-
-    def _at_fault_collisions(self, s: NuplanState, row: int, multi_lane: bool) -> dict[str, int]:
-        """nuPlan's at-fault collisions of the final step of ``row`` (the episode ends at the first collision):
-        counts per class {vru, vehicle, object}."""
-        counts = {"vru": 0, "vehicle": 0, "object": 0}
-        ego_xy, ego_yaw = s.ego_xy[row], s.ego_yaw[row]
-        ego_half, ego_speed = self.env.ego_half[row], float(s.ego_speed[row])
-        classes = (("vehicle", s.veh.xy, s.veh.yaw, s.veh.half, s.veh.speed, s.veh.valid, False),
-                   ("vru", s.ped.xy, s.ped.yaw, torch.full_like(s.ped.xy, agents.PEDESTRIAN_HALF), s.ped.speed,
-                    s.ped.valid, False),
-                   ("object", s.statics.xy, s.statics.yaw, s.statics.half, torch.zeros_like(s.statics.yaw),
-                    s.statics.valid, True))
-        for cls, xy, yaw, half, speed, valid, static in classes:
-            hit = boxes_overlap(ego_xy, ego_yaw, ego_half, xy[row], yaw[row], half[row]) & valid[row]
-            for j in torch.nonzero(hit).flatten().tolist():
-                kind = M.collision_type(ego_xy.cpu().numpy(), float(ego_yaw), ego_half.cpu().numpy(), ego_speed,
-                                        xy[row, j].cpu().numpy(), float(yaw[row, j]), half[row, j].cpu().numpy(),
-                                        float(speed[row, j]), static)
-                counts[cls] += int(M.is_at_fault(kind, multi_lane))
-        return counts
-
-    def _nuplan_scores(self, s: NuplanState, done: Tensor, hard_t: Tensor) -> dict[str, Tensor]:
-        """``episode/nuplan_score`` and ``episode/nuplan/<metric>`` of the finished rows (0 elsewhere)."""
-        env = self.env
-        out = {"episode/nuplan_score": torch.zeros(env.num_envs, device=env.device)}
-        for k in NUPLAN_COMPONENTS:
-            out[f"episode/nuplan/{k}"] = torch.zeros(env.num_envs, device=env.device)
-        if not bool(done.any()):
-            return out
-        rows = torch.nonzero(done).flatten()
-        tr = {k: v[rows].cpu().numpy() for k, v in self.trace.items()}
-        steps = s.steps[rows].cpu().numpy()
-        collided = hard_t[rows][:, [HARD.index(k) for k in ("collision_vehicle", "collision_pedestrian",
-                                                             "collision_static")]].any(-1).cpu().numpy()
-        route_id, route_idx = s.route_id[rows], s.route_idx[rows]
-        ego_prog = env.world.route_cum[route_id, route_idx].cpu().numpy()
-        scen = s.scenario[rows].cpu().numpy()
-        for i, row in enumerate(rows.tolist()):
-            sc = self.scenario_score(row, {k: v[i] for k, v in tr.items()}, int(steps[i]), bool(collided[i]),
-                                     float(ego_prog[i]), int(scen[i]), s)
-            out["episode/nuplan_score"][row] = sc.score
-            for k in M.MULTIPLIERS:
-                out[f"episode/nuplan/{k}"][row] = sc.multipliers[k]
-            for k in M.WEIGHTS:
-                out[f"episode/nuplan/{k}"][row] = sc.weighted[k]
-        return out
-
-    def scenario_score(self, row: int, tr: dict[str, np.ndarray], steps: int, collided: bool, ego_progress: float,
-                       scenario: int, s: NuplanState) -> M.ScenarioScore:
-        """nuPlan's scenario score from one row's trace (chronological order restored from the ring buffer)."""
-        env = self.env
-        n = max(1, min(steps, self.trace_len))
-        end = (steps - 1) % self.trace_len + 1
-        tr = {k: np.roll(v, -end)[-n:] for k, v in tr.items()}
-        at_fault = self._at_fault_collisions(s, row, bool(tr["multi_lane"][-1] or tr["outside"][-1] > 0)) \
-            if collided else {}
-        ratio = M.progress_ratio(ego_progress, float(env.expert_progress[scenario]))
-        mult = {"no_at_fault_collisions": M.collision_score(at_fault),
-                "drivable_area_compliance": M.drivable_area_compliance(tr["outside"][:, None]),
-                "driving_direction_compliance": M.driving_direction_compliance(tr["lane_prog"], env.cfg.dt),
-                "making_progress": M.making_progress(ratio)}
-        any_fault = sum(at_fault.values()) > 0
-        weighted = {"ego_progress": ratio,
-                    "time_to_collision": 0.0 if (any_fault or tr["ttc"].any()) else 1.0,
-                    "speed_limit": M.speed_limit_compliance(tr["speed"], tr["limit"], env.cfg.dt),
-                    "comfort": M.ego_is_comfortable(M.comfort_signals(tr["speed"], tr["yaw"], env.cfg.dt,
-                                                                      accel=tr["accel"]))}
-        return M.ScenarioScore(env.scenario_tokens[scenario], env.scenario_types[scenario], mult, weighted)
+def logged_centres(sc: CachedScenario) -> np.ndarray:
+    """The logged ego's centre [T, 2] in the scenario's frame (the log holds the rear axle)."""
+    yaw = sc.ego[:, 2].astype(np.float64)
+    return sc.ego[:, :2].astype(np.float64) + REAR_AXLE_TO_CENTRE * np.stack([np.cos(yaw), np.sin(yaw)], -1)
 
 
 def load_scenarios(opts: NuplanOptions, seed: int = 0) -> list[CachedScenario]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
 from envs.nuplan.dynamics import MAX_ACCEL, MAX_DECEL, MAX_STEER, WHEELBASE
 
 LOOKAHEAD_FRAMES = 8  # 0.8 s ahead on the logged path
@@ -16,25 +15,30 @@ POSITION_GAIN = 1.0  # 1/s²: acceleration per metre behind (or ahead of) the lo
 
 
 def make_expert(env):  # noqa: ANN001 - NuplanEnv (import cycle)
+    """The expert's policy function for ``env`` (actions in the env's ``action_names`` order). It works in each
+    scenario's own frame (``log_ego_local``, ``ego_rear``), so it drives the same in any batch."""
+    order = env.action_names
+
     def act(obs: dict[str, Tensor] | None = None) -> Tensor:
         s = env.state
         last = env.num_frames - 1
-        f = (s.steps + LOOKAHEAD_FRAMES).clamp(max=last)
-        target = env.log_ego[s.scenario, f, :2]  # rear axle, world frame
-        v_log = env.log_ego[s.scenario, (s.steps + 1).clamp(max=last), 3]
+        log = env.log_ego_local[s.scenario]  # [B, T, 7] rear axle, scenario frame, float64
+        rows = torch.arange(len(s.scenario), device=s.scenario.device)
+        nxt = (s.steps + 1).clamp(max=last)
+        target = log[rows, (s.steps + LOOKAHEAD_FRAMES).clamp(max=last), :2]
+        v_log = log[rows, nxt, 3].float()
         fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
-        rear = s.ego_xy - REAR_AXLE_TO_CENTRE * fwd
-        d = target - rear
+        d = (target - s.ego_rear).float()
         ld = d.norm(dim=-1).clamp(min=MIN_LOOKAHEAD)
         alpha = torch.atan2(d[:, 1], d[:, 0]) - s.ego_yaw
         alpha = torch.atan2(torch.sin(alpha), torch.cos(alpha))
         tire = torch.atan(2.0 * WHEELBASE * torch.sin(alpha) / ld)
         steer = (tire / MAX_STEER).clamp(-1, 1)
         # speed tracking plus the along-track position error to the logged pose of the next frame (time-indexed)
-        here = env.log_ego[s.scenario, (s.steps + 1).clamp(max=last), :2]
-        lag = ((here - rear) * fwd).sum(-1)
+        lag = ((log[rows, nxt, :2] - s.ego_rear).float() * fwd).sum(-1)
         a = (v_log - s.ego_speed) / SPEED_HORIZON + POSITION_GAIN * lag
         lon = torch.where(a >= 0, a / MAX_ACCEL, a / MAX_DECEL).clamp(-1, 1)
-        return torch.stack((steer, lon), -1)
+        cols = {"steer": steer, "accel": lon}
+        return torch.stack([cols[k] for k in order], -1)
 
     return act

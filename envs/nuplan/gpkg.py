@@ -14,10 +14,12 @@ Geometries decode to numpy:
 """
 from __future__ import annotations
 
+import importlib
 import sqlite3
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,24 @@ WKB_MULTIPOINT, WKB_MULTILINESTRING, WKB_MULTIPOLYGON = 4, 5, 6
 
 class GeoPackageError(ValueError):
     """A GeoPackage that cannot be read; the message names the file, layer and feature."""
+
+
+class MissingPackageError(ImportError):
+    """An optional package the nuPlan path needs is not installed; the message names it and the pip command."""
+
+
+INSTALL_HINT = "pip install -e '.[nuplan]'"
+
+
+def require(module: str, purpose: str, pip_name: str | None = None) -> ModuleType:
+    """Import an optional package of the ``nuplan`` extra, or raise :class:`MissingPackageError` saying what needs
+    it and how to install it (so a bare ``ModuleNotFoundError`` deep in a worker never is the only clue)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        name = pip_name or module
+        raise MissingPackageError(f"{purpose} needs the Python package '{name}', which is not installed; install the "
+                                  f"nuPlan extra with {INSTALL_HINT} (or pip install {name})") from e
 
 
 @dataclass
@@ -175,6 +195,12 @@ def init_geopackage(con: sqlite3.Connection, srs_id: int, srs_name: str, definit
                     "definition) VALUES (?,?,?,?,?)", rows)
 
 
+def register_srs(con: sqlite3.Connection, srs_id: int, srs_name: str, definition: str = "undefined") -> None:
+    """Add an EPSG ``srs_id`` to ``gpkg_spatial_ref_sys`` (a GeoPackage may hold layers in several CRSs)."""
+    con.execute("INSERT OR IGNORE INTO gpkg_spatial_ref_sys (srs_name, srs_id, organization, organization_coordsys_id, "
+                "definition) VALUES (?,?,?,?,?)", (srs_name, srs_id, "EPSG", srs_id, definition))
+
+
 def write_layer(con: sqlite3.Connection, name: str, kind: int | None, srs_id: int, columns: dict[str, str],
                 rows: list[tuple[int, Any, tuple]], envelope: bool = False) -> None:
     """Write a layer: ``columns`` {name: SQL type}; ``rows`` (fid, geometry, attribute values in column order).
@@ -216,6 +242,14 @@ def list_layers(con: sqlite3.Connection) -> list[str]:
     return [r[0] for r in con.execute("SELECT table_name FROM gpkg_contents ORDER BY table_name")]
 
 
+def srs_name(con: sqlite3.Connection, srs_id: int) -> str | None:
+    """``ORGANIZATION:code`` (e.g. ``EPSG:4326``) of a srs id registered in ``gpkg_spatial_ref_sys``; None when the
+    id is not registered."""
+    row = con.execute("SELECT organization, organization_coordsys_id FROM gpkg_spatial_ref_sys WHERE srs_id=?",
+                      (srs_id,)).fetchone()
+    return None if row is None else f"{str(row[0]).upper()}:{row[1]}"
+
+
 def read_layer(con: sqlite3.Connection, name: str, path: str | Path = "?") -> Layer:
     """Read every feature of ``name`` (geometry decoded, attributes as Python values)."""
     if name not in list_layers(con):
@@ -234,9 +268,16 @@ def read_layer(con: sqlite3.Connection, name: str, path: str | Path = "?") -> La
             geoms.append(None)
             continue
         try:
-            geoms.append(decode_gpkg_geometry(r[g_i])[0])
+            geom, blob_srs = decode_gpkg_geometry(r[g_i])
         except (GeoPackageError, struct.error, ValueError) as e:
             raise GeoPackageError(f"map file {path}, layer '{name}', feature {r[fid_i] if fid_i is not None else k}: "
                                   f"bad geometry ({e})") from e
+        # a geometry whose own srs id contradicts its layer's would be placed in the wrong frame without a sound
+        if r[g_i] is not None and blob_srs not in (srs_id, 0, -1):
+            raise GeoPackageError(f"map file {path}, layer '{name}', feature "
+                                  f"{r[fid_i] if fid_i is not None else k}: geometry srs_id {blob_srs} differs from "
+                                  f"the layer's srs_id {srs_id} (gpkg_geometry_columns); re-export the layer in one "
+                                  "CRS")
+        geoms.append(geom)
     fids = np.array([r[fid_i] for r in rows] if fid_i is not None else range(len(rows)), np.int64)
     return Layer(name=name, srs_id=srs_id, fids=fids, columns=columns, geometries=geoms)

@@ -9,18 +9,24 @@
   and one light group of its own; the group shows the state of the connector the expert takes (else the first
   signalled connector). :func:`build_patch` returns the connector id behind every group.
 * Coordinates are shifted by ``origin`` (the ego start) so float32 keeps centimetre precision.
+* Polygon layers (:func:`map_layers`): the drivable areas (the devkit's and CaRL's) and the route's roadblock
+  polygons within ``radius`` of the ego path, clipped, as flat :class:`PolygonSet` arrays (shapely on demand).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from envs.maps.lanegraph import CONTROL_LIGHT, MARK_BROKEN, MARK_SOLID, Lane, LaneGraph, LightGroup, StopLine
-from envs.nuplan.nuplan_map import NuplanMap
+from envs.nuplan.gpkg import require
+from envs.nuplan.nuplan_map import CARL_DRIVABLE_LAYERS, DRIVABLE_LAYERS, ROUTE_LAYERS, NuplanMap
 from envs.routes import Route
 
 DEFAULT_SPEED_LIMIT = 13.89  # m/s where the map has none
+POLYGON_FIELDS = ("drivable", "carl_drivable", "route_polygons")  # the scenario's polygon layers (map_layers)
 
 
 @dataclass
@@ -65,7 +71,12 @@ def build_patch(m: NuplanMap, ego_path: np.ndarray, origin: np.ndarray, light_id
         if d <= radius:
             chosen.append(fid)
     if not chosen:
-        raise ValueError(f"{name}: no lanes of map '{m.name}' within {radius} m of the ego path")
+        lo = np.min([ln.baseline.min(0) for ln in m.lanes.values()], 0) if m.lanes else np.zeros(2)
+        hi = np.max([ln.baseline.max(0) for ln in m.lanes.values()], 0) if m.lanes else np.zeros(2)
+        raise ValueError(f"{name}: no lanes of map '{m.name}' ({m.path}) within {radius} m of the ego path, which "
+                         f"starts at {np.round(ego_path[0], 1).tolist()} while the map's lanes span "
+                         f"{np.round(lo, 1).tolist()}..{np.round(hi, 1).tolist()}; the log belongs to another map, or "
+                         "the map's layers are not in the CRS of meta.projectedCoordSystem")
     index = {fid: i for i, fid in enumerate(chosen)}
     width, limit = {}, {}
     for fid in chosen:
@@ -213,3 +224,119 @@ def expert_route(lanes: list[Lane], fids: list[str], m: NuplanMap, path: np.ndar
     if len(pts) < 3:
         raise ValueError(f"{name}: expert route has {len(pts)} points; the map patch has no lane to extend it")
     return Route(name=name, points=pts.astype(np.float32), lanes=lane_of.astype(np.int32))
+
+
+# ---------------------------------------------------------------------------------------------- polygon layers
+def shapely_module() -> Any:
+    """shapely, or a MissingPackageError naming it and the pip command."""
+    return require("shapely", "the nuPlan map polygons (drivable area, route)")
+
+
+@dataclass
+class PolygonSet:
+    """Polygons stored flat (shapely's ragged layout): vertex ``xy`` [V, 2] float32 (local frame, rings closed),
+    ``rings`` [R + 1] start vertex of each ring, ``parts`` [P + 1] start ring of each polygon (exterior first), and
+    the map feature of each polygon (``ids``: ``layer:fid`` or a roadblock id). Compact on disk, and one call away
+    from shapely: :meth:`polygons` (an array for ``shapely.STRtree``) and :meth:`union`."""
+
+    xy: np.ndarray
+    rings: np.ndarray
+    parts: np.ndarray
+    ids: list[str]
+    _geoms: Any = field(default=None, repr=False, compare=False)
+    _union: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def empty(cls) -> PolygonSet:
+        return cls(np.zeros((0, 2), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), [])
+
+    @classmethod
+    def from_shapely(cls, geoms: Sequence[Any], ids: Sequence[str], origin: np.ndarray | None = None) -> PolygonSet:
+        """From shapely Polygons (global frame) and their ids; ``origin`` is subtracted (-> local frame)."""
+        if not len(geoms):
+            return cls.empty()
+        shapely = shapely_module()
+        _, xy, (rings, parts) = shapely.to_ragged_array(np.asarray(geoms, dtype=object))
+        xy = xy[:, :2] - (origin if origin is not None else 0.0)
+        return cls(xy.astype(np.float32), rings.astype(np.int64), parts.astype(np.int64), [str(i) for i in ids])
+
+    def __len__(self) -> int:
+        return len(self.parts) - 1
+
+    def rings_of(self, i: int) -> list[np.ndarray]:
+        """The rings of polygon ``i`` (exterior first) as [N, 2] arrays."""
+        return [self.xy[self.rings[r]:self.rings[r + 1]] for r in range(self.parts[i], self.parts[i + 1])]
+
+    def polygons(self) -> np.ndarray:
+        """The polygons as an object array of shapely Polygons (local frame), e.g. for ``shapely.STRtree``."""
+        if self._geoms is None:
+            shapely = shapely_module()
+            if len(self) == 0:
+                self._geoms = np.zeros(0, dtype=object)
+            else:
+                self._geoms = shapely.from_ragged_array(shapely.GeometryType.POLYGON, self.xy.astype(np.float64),
+                                                        (self.rings, self.parts))
+        return self._geoms
+
+    def union(self) -> Any:
+        """All polygons as one shapely geometry (an empty Polygon when there is none)."""
+        if self._union is None:
+            shapely = shapely_module()
+            g = self.polygons()
+            self._union = shapely.union_all(g) if len(g) else shapely.Polygon()
+        return self._union
+
+
+def _polygon_parts(g: Any) -> list[Any]:
+    """The non-empty Polygons inside any shapely geometry (multi-parts and collections flattened)."""
+    shapely = shapely_module()
+    out, todo = [], [g]
+    while todo:
+        x = todo.pop()
+        tid = shapely.get_type_id(x)
+        if tid == 3 and not x.is_empty:  # Polygon
+            out.append(x)
+        elif tid in (6, 7):  # MultiPolygon, GeometryCollection
+            todo.extend(shapely.get_parts(x))
+    return out[::-1]
+
+
+def clip_layers(m: NuplanMap, layers: Sequence[str], region: Any, select: dict[str, set[str]] | None = None,
+                prefix: bool = True) -> tuple[list[Any], list[str]]:
+    """The polygons of ``layers`` (absent layers contribute nothing) that meet ``region``, clipped to it, with
+    ``layer:fid`` ids (or bare fids without ``prefix``); ``select`` keeps only the given fids of a layer."""
+    shapely = shapely_module()
+    geoms_out: list[Any] = []
+    ids_out: list[str] = []
+    for name in layers:
+        geoms, fids, tree = m.polygon_index(name)
+        if not len(geoms):
+            continue
+        idx = tree.query(region, predicate="intersects")
+        if select is not None:
+            keep = select.get(name, set())
+            idx = np.array([i for i in idx if fids[i] in keep], np.int64)
+        if not len(idx):
+            continue
+        for i, g in zip(sorted(idx.tolist()), shapely.intersection(geoms[np.sort(idx)], region)):
+            for part in _polygon_parts(g):
+                geoms_out.append(part)
+                ids_out.append(f"{name}:{fids[i]}" if prefix else fids[i])
+    return geoms_out, ids_out
+
+
+def map_layers(m: NuplanMap, centre_path: np.ndarray, origin: np.ndarray, route_roadblock_ids: Sequence[str],
+               radius: float = 60.0) -> dict[str, PolygonSet]:
+    """The scenario's polygon layers (:data:`POLYGON_FIELDS`): every polygon within ``radius`` of the logged ego
+    centre path ([T, 2] global), clipped to that region, in the local frame (minus ``origin``)."""
+    shapely = shapely_module()
+    pts = np.unique(np.round(centre_path, 3), axis=0)
+    line = shapely.Point(pts[0]) if len(pts) < 2 else shapely.LineString(centre_path)
+    region = shapely.buffer(line, radius, quad_segs=4)
+    route = {str(r) for r in route_roadblock_ids}
+    out = {}
+    for fld, layers, select in (("drivable", DRIVABLE_LAYERS, None), ("carl_drivable", CARL_DRIVABLE_LAYERS, None),
+                                ("route_polygons", ROUTE_LAYERS, {n: route for n in ROUTE_LAYERS})):
+        g, ids = clip_layers(m, layers, region, select, prefix=fld != "route_polygons")
+        out[fld] = PolygonSet.from_shapely(g, ids, origin)
+    return out

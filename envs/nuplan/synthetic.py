@@ -7,9 +7,13 @@
     root/nuplan-v1.1/splits/mini/<log>.db                    (real table and column names, BLOB tokens)
 
 The map is a four-arm signalised intersection (one lane each way per arm, twelve lane connectors) placed at UTM
-coordinates of zone 11N; every log drives the ego from a standstill at a red light through the intersection
-(straight, left or right turn) with a lead vehicle, crossing traffic, a pedestrian on a crosswalk and a traffic
-cone. Scenes are 5 s long; tags sit in valid and invalid scenes so that scenario extraction rules are exercised.
+coordinates of zone 11N, with a car park north-east of it reached by a driveway (``carpark_areas``,
+``generic_drivable_areas`` as a multipolygon with a second part, a turnout on the west arm), so that every polygon
+layer of the drivable areas and the route is present; ``layer_srs`` stores chosen layers in another CRS (e.g. lon/lat,
+EPSG:4326, as real nuPlan maps do; needs pyproj). Every log drives the ego from a standstill at a red light through
+the intersection (straight, left or right turn) with a lead vehicle, crossing traffic, a pedestrian on a crosswalk
+and a traffic cone. Scenes are 5 s long; tags sit in valid and invalid scenes so that scenario extraction rules are
+exercised.
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ import math
 import pickle
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from envs.nuplan.gpkg import WKB_LINESTRING, WKB_POLYGON, init_geopackage, write_layer
+from envs.nuplan.gpkg import (WKB_LINESTRING, WKB_MULTIPOLYGON, WKB_POLYGON, init_geopackage, register_srs,
+                              require, write_layer)
 
 LOCATION, MAP_VERSION, EPSG = "us-nv-las-vegas-strip", "9.15.1915", 32611
 ORIGIN = np.array([664_000.0, 3_996_000.0])  # intersection centre (UTM 11N metres)
@@ -77,13 +83,50 @@ def connector_index(a: int, b: int) -> int:
     return a * 3 + (b - a - 1) % 4
 
 
-def write_map(path: Path) -> None:
-    """The synthetic map.gpkg (projected coordinates, srs EPSG:32611)."""
+def _rect(x0: float, y0: float, x1: float, y1: float) -> list[np.ndarray]:
+    """An axis-aligned rectangle (offsets from ORIGIN, metres) as polygon rings."""
+    r = ORIGIN + np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]])
+    return [r]
+
+
+# car park north-east of the intersection, a driveway from the east arm to it, and a turnout beside the west arm
+CARPARK = _rect(40.0, 15.0, 70.0, 40.0)
+DRIVEWAY = _rect(50.0, LANE_WIDTH, 56.0, 15.0)
+TURNOUT = _rect(-40.0, -LANE_WIDTH - 4.0, -30.0, -LANE_WIDTH)
+
+
+def _reprojector(srs: int) -> Any:
+    """A function moving nested numpy geometry from EPSG:32611 to ``srs``."""
+    pyproj = require("pyproj", f"writing a synthetic map layer in EPSG:{srs}")
+    tr = pyproj.Transformer.from_crs(f"EPSG:{EPSG}", f"EPSG:{srs}", always_xy=True)
+
+    def move(g: Any) -> Any:
+        if isinstance(g, np.ndarray):
+            a = g.reshape(-1, 2)
+            return np.stack(tr.transform(a[:, 0], a[:, 1]), -1).reshape(g.shape)
+        return [move(x) for x in g]
+
+    return move
+
+
+def write_map(path: Path, layer_srs: dict[str, int] | None = None) -> None:
+    """The synthetic map.gpkg (projected coordinates, srs EPSG:32611; the layers of ``layer_srs`` in that EPSG)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         path.unlink()
     con = sqlite3.connect(path)
     init_geopackage(con, EPSG, "WGS 84 / UTM zone 11N")
+    layer_srs = dict(layer_srs or {})
+    moves = {}
+    for lname, srs in layer_srs.items():
+        register_srs(con, srs, f"EPSG:{srs}")
+        moves[lname] = _reprojector(srs)
+
+    def write(name: str, kind: int | None, srs: int, columns: dict[str, str], rows: list, **kw: Any) -> None:
+        if name in moves:
+            rows = [(fid, moves[name](g), vals) for fid, g, vals in rows]
+        write_layer(con, name, kind, layer_srs.get(name, srs), columns, rows, **kw)
+
     lanes, baselines, conns, rbs, rbcs = [], [], [], [], []
     for a in range(4):
         for k, (line, fid) in enumerate(((_inbound(a), LANE_FID + 2 * a), (_outbound(a), LANE_FID + 2 * a + 1))):
@@ -109,26 +152,26 @@ def write_map(path: Path) -> None:
     crosswalk = [np.array([cw_c + [-LANE_WIDTH - 1, -1.5], cw_c + [LANE_WIDTH + 1, -1.5],
                            cw_c + [LANE_WIDTH + 1, 1.5], cw_c + [-LANE_WIDTH - 1, 1.5], cw_c + [-LANE_WIDTH - 1, -1.5]])]
     stops = [(a + 1, _buffer(_inbound(a)[-3:], LANE_WIDTH / 2), (2,)) for a in range(4)]
-    write_layer(con, "meta", None, EPSG, {"key": "TEXT", "value": "TEXT"},
-                [(1, None, ("projectedCoordSystem", f"EPSG:{EPSG}")), (2, None, ("version", MAP_VERSION))])
-    write_layer(con, "lanes_polygons", WKB_POLYGON, EPSG,
-                {"lane_group_fid": "INTEGER", "lane_index": "INTEGER", "speed_limit_mps": "REAL",
-                 "left_boundary_fid": "INTEGER", "right_boundary_fid": "INTEGER"}, lanes)
-    write_layer(con, "baseline_paths", WKB_LINESTRING, EPSG, {"lane_fid": "INTEGER", "lane_connector_fid": "INTEGER"},
-                baselines, envelope=True)
-    write_layer(con, "lane_connectors", WKB_LINESTRING, EPSG,
-                {"exit_lane_fid": "INTEGER", "entry_lane_fid": "INTEGER", "lane_group_connector_fid": "INTEGER",
-                 "speed_limit_mps": "REAL", "traffic_light_stop_line_fids": "TEXT"}, conns)
-    write_layer(con, "lane_groups_polygons", WKB_POLYGON, EPSG, {}, rbs)
-    write_layer(con, "lane_group_connectors", WKB_POLYGON, EPSG,
-                {"from_lane_group_fid": "INTEGER", "to_lane_group_fid": "INTEGER", "intersection_fid": "INTEGER"},
-                rbcs)
-    write_layer(con, "intersections", WKB_POLYGON, EPSG, {}, [(1, box, ())])
-    write_layer(con, "road_segments", WKB_POLYGON, EPSG, {}, roads)
-    write_layer(con, "crosswalks", WKB_POLYGON, EPSG, {}, [(1, crosswalk, ())])
-    write_layer(con, "stop_polygons", WKB_POLYGON, EPSG, {"stop_polygon_type_fid": "INTEGER"}, stops)
-    for empty in ("generic_drivable_areas", "carpark_areas", "walkways"):
-        write_layer(con, empty, WKB_POLYGON, EPSG, {}, [])
+    write("meta", None, EPSG, {"key": "TEXT", "value": "TEXT"},
+          [(1, None, ("projectedCoordSystem", f"EPSG:{EPSG}")), (2, None, ("version", MAP_VERSION))])
+    write("lanes_polygons", WKB_POLYGON, EPSG,
+          {"lane_group_fid": "INTEGER", "lane_index": "INTEGER", "speed_limit_mps": "REAL",
+           "left_boundary_fid": "INTEGER", "right_boundary_fid": "INTEGER"}, lanes)
+    write("baseline_paths", WKB_LINESTRING, EPSG, {"lane_fid": "INTEGER", "lane_connector_fid": "INTEGER"},
+          baselines, envelope=True)
+    write("lane_connectors", WKB_LINESTRING, EPSG,
+          {"exit_lane_fid": "INTEGER", "entry_lane_fid": "INTEGER", "lane_group_connector_fid": "INTEGER",
+           "speed_limit_mps": "REAL", "traffic_light_stop_line_fids": "TEXT"}, conns)
+    write("lane_groups_polygons", WKB_POLYGON, EPSG, {}, rbs)
+    write("lane_group_connectors", WKB_POLYGON, EPSG,
+          {"from_lane_group_fid": "INTEGER", "to_lane_group_fid": "INTEGER", "intersection_fid": "INTEGER"}, rbcs)
+    write("intersections", WKB_POLYGON, EPSG, {}, [(1, box, ())])
+    write("road_segments", WKB_POLYGON, EPSG, {}, roads)
+    write("crosswalks", WKB_POLYGON, EPSG, {}, [(1, crosswalk, ())])
+    write("stop_polygons", WKB_POLYGON, EPSG, {"stop_polygon_type_fid": "INTEGER"}, stops)
+    write("carpark_areas", WKB_POLYGON, EPSG, {}, [(1, CARPARK, ())])
+    write("generic_drivable_areas", WKB_MULTIPOLYGON, EPSG, {}, [(1, [DRIVEWAY, TURNOUT], ())])
+    write("walkways", WKB_POLYGON, EPSG, {}, [])
     con.commit()
     con.close()
 
@@ -186,7 +229,7 @@ def ego_profile(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def write_log(path: Path, log_index: int, seed: int = 0) -> None:
     """One synthetic log following ``LOG_PLANS[log_index % 4]``."""
     rng = np.random.default_rng(seed * 1000 + log_index)
-    tok = lambda: rng.bytes(8)  # noqa: E731
+    tok = lambda: rng.bytes(8)
     a_in, b_out, turn_tag = LOG_PLANS[log_index % len(LOG_PLANS)]
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
@@ -258,7 +301,7 @@ def write_log(path: Path, log_index: int, seed: int = 0) -> None:
         (tok(), pc_toks[int(round(ts_ * HZ))], typ, None) for ts_, typ in tags])
     # traffic lights: the ego's approach red until 9 s, yellow until 10 s, then green; crossing approach the reverse
     lights = []
-    for i in range(0, n):
+    for i in range(n):
         ego_state = "red" if t[i] < 9.0 else "yellow" if t[i] < 10.0 else "green"
         cross_state = "green" if t[i] < 9.0 else "red"
         for b in range(4):
@@ -277,13 +320,15 @@ def log_name(index: int) -> str:
     return f"2021.06.07.{12 + index:02d}.00.00_veh-99_{index:05d}_{index + 1:05d}"
 
 
-def make_synthetic_dataset(root: str | Path, num_logs: int = 3, split: str = "mini", seed: int = 0) -> Path:
-    """Write the dataset under ``root`` (maps + ``num_logs`` logs) and return ``root``."""
+def make_synthetic_dataset(root: str | Path, num_logs: int = 3, split: str = "mini", seed: int = 0,
+                           layer_srs: dict[str, int] | None = None) -> Path:
+    """Write the dataset under ``root`` (maps + ``num_logs`` logs) and return ``root``; ``layer_srs`` stores the
+    named map layers in another EPSG CRS (e.g. ``{"intersections": 4326}``, lon/lat like the real maps)."""
     root = Path(root)
     maps = root / "maps"
     maps.mkdir(parents=True, exist_ok=True)
     (maps / "nuplan-maps-v1.0.json").write_text(json.dumps({LOCATION: {"version": MAP_VERSION, "layers": {}}}))
-    write_map(maps / LOCATION / MAP_VERSION / "map.gpkg")
+    write_map(maps / LOCATION / MAP_VERSION / "map.gpkg", layer_srs)
     for k in range(num_logs):
         write_log(root / "nuplan-v1.1" / "splits" / split / f"{log_name(k)}.db", k, seed)
     return root

@@ -10,27 +10,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
-import numpy as np
 import torch
 from torch import Tensor
 
-from envs.api import (BEV_CHANNELS, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
-                      VALUE_MEASUREMENTS, BatchedEnv, StepResult, TensorSpec)
-from envs.maps.lanegraph import LaneGraph, MapError
+from envs.api import (BatchedEnv, StepResult)
+from envs.config import ConfigError
 from envs.reward import RewardInputs, RewardState, comfort_violations, compute_reward
-from envs.maps.atlas import build_atlas
-from envs.maps.raster import load_or_compile_raster
-from envs.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim import agents, criteria, infractions
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
 from envs.sim.criteria import CriteriaState
 from envs.sim.infractions import HARD, INFRACTIONS, TERMINAL_PENALTY
-from envs.sim.observation import measurements, render_bev, upcoming_stop_lines, value_measurements
-from envs.sim.parts import (ActorSource, EgoDynamics, KinematicBicycle, LightCycle, LightSource, RouteStarts,
-                            SimTraffic, StartSource, StepHook)
-from envs.sim.world import World, build_world, map_cache_dir
+from envs.sim.observation import upcoming_stop_lines
+from envs.sim.parts import (ActorSource, CarlaObserver, EgoDynamics, KinematicBicycle, LightCycle, LightSource,
+                            Observer, RouteStarts, SimTraffic, StartSource, StepHook)
+from envs.sim.world import World, load_world
 
 TERMINATIONS = HARD + ("route_completed",)
 # Leaderboard mode: the events that end a route (the others are recorded and the route goes on)
@@ -78,103 +72,22 @@ def assign_rows(state, rows: Tensor, fresh) -> None:
             old[rows] = new
 
 
-_WORLDS: dict[tuple, World] = {}
-
-
-def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> World:
-    """The maps and route bank for ``cfg`` (procedural towns, CARLA towns, map files, or a mix of them) on
-    ``device``.
-
-    Worlds are immutable, so they are shared between environment objects of the same process.
-    """
-    key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
-           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
-           cfg.num_routes, cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
-    if key not in _WORLDS:
-        _WORLDS[key] = _build_world(cfg, device, route_seed)
-    return _WORLDS[key]
-
-
-EVAL_ROUTE_SEED = 7919  # seed of the held-out random route bank (route_split=eval)
-
-
-def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
-               key: str = "env.options.map (or env.options.maps)", noun: str = "map") -> list[Route]:
-    """The routes of one map: those of ``cfg.route_file`` for this town, else a seeded bank of random routes
-    (``key``, ``noun``: the option that picks the map and what it calls it, for the error)."""
-    if cfg.route_file:
-        town = Path(name).stem
-        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
-                  if t == town]
-        if not routes:
-            raise MapError(f"route file {cfg.route_file} has no routes for {noun} '{town}'; set {key} to a {noun} it uses")
-        return routes
-    seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
-    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
-                         junction_start=cfg.route_junction_start)
-
-
-def bev_reach_m(cfg: SimConfig) -> float:
-    """Farthest distance from the ego that its BEV shows (the corner of the image farthest from the ego)."""
-    row = cfg.bev_size - 1 - cfg.bev_ego_from_bottom
-    return math.hypot(cfg.bev_size // 2 + 1, max(row, cfg.bev_size - 1 - row) + 1) / cfg.bev_ppm
-
-
-def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
-    names = list(cfg.maps) or [cfg.map]
-    graphs, routes_by_map = [], []
-    for k, name in enumerate(names):
-        try:
-            graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
-            routes_by_map.append(map_routes(graph, name, cfg, route_seed))
-        except (MapError, RouteError) as exc:
-            if not cfg.maps:
-                raise
-            raise type(exc)(f"env.options.maps[{k}]={name!r}: {exc}") from None
-        graphs.append(graph)
-    if len(names) == 1:
-        return build_world(graphs[0], routes_by_map[0], cfg, device)
-    rasters = [load_or_compile_raster(g, cfg.map_ppm, map_cache_dir(cfg)) for g in graphs]
-    # no BEV shows another map (traffic, pedestrians and spawns are drawn on the row's own map anyway)
-    atlas = build_atlas(graphs, rasters, gap_m=bev_reach_m(cfg) + 10.0)
-    moved = [[Route(r.name, (r.points + atlas.shifts[k]).astype(np.float32), r.lanes + atlas.lane_offsets[k])
-              for r in rs] for k, rs in enumerate(routes_by_map)]
-    # interleaved (route j of every map, then route j + 1, ...): the first N routes of a fixed assignment (the eval
-    # split) cover every map
-    order = sorted(((j, k) for k, rs in enumerate(moved) for j in range(len(rs))))
-    routes = [moved[k][j] for j, k in order]
-    return build_world(atlas.graph, routes, cfg, device, raster=atlas.raster, map_names=names,
-                       lane_offsets=atlas.lane_offsets, route_map=np.array([k for _, k in order]),
-                       map_weights=cfg.map_weights)
-
-
-def load_graph(cfg: SimConfig) -> LaneGraph:
-    if cfg.map == "procedural":
-        from envs.maps.procedural import generate_world
-
-        seeds = cfg.eval_town_seeds if cfg.route_split == "eval" else cfg.town_seeds
-        return generate_world(cfg.procedural, list(seeds))
-    if cfg.map.endswith(".npz"):
-        return LaneGraph.load(cfg.map)
-    from envs.maps import opendrive
-
-    if cfg.map.endswith(".xodr"):
-        return opendrive.load_opendrive(cfg.map)
-    return opendrive.load_town(cfg.map)
-
-
 class SimEnv(BatchedEnv):
     """CaRL's task on the simulator core, with the parts that move the world (:mod:`envs.sim.parts`); the defaults
     are the built-in simulator's (``docs/simulator.md``: the model and its limits).
 
     ``state_type`` is the state dataclass the core builds (a subclass of :class:`SimState` carries the parts' own
-    per-row state); ``check_stop_lines=False`` turns off the red-light and stop-sign checks."""
+    per-row state); ``observer``: the observation part (default CaRL's CARLA observation,
+    :class:`~envs.sim.parts.CarlaObserver`); ``check_stop_lines=False`` turns off the red-light and stop-sign
+    checks; ``ending_events``: the hard infractions that end an episode under CaRL's rules (the others are only
+    counted)."""
 
     def __init__(self, cfg: SimConfig, num_envs: int, device: str | torch.device = "cpu", seed: int = 0,
                  world: World | None = None, *, starts: StartSource | None = None,
                  ego: EgoDynamics | None = None, actors: ActorSource | None = None, lights: LightSource | None = None,
                  hooks: tuple[StepHook, ...] = (), state_type: type[SimState] = SimState,
-                 check_stop_lines: bool = True):
+                 observer: Observer | None = None, check_stop_lines: bool = True,
+                 ending_events: tuple[str, ...] = HARD):
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs}: need at least one environment")
         self.cfg = cfg.validate()
@@ -192,10 +105,13 @@ class SimEnv(BatchedEnv):
         self.route_stride = cfg.route_stride or num_envs  # rows advance by this many routes
         self.next_route = self._first_routes()
         self._lb_ending = ROUTE_ENDING_LB.to(self.device)
-        bev = (len(BEV_CHANNELS), cfg.bev_size, cfg.bev_size)
-        self.observation_spec = {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255),
-                                 OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32),
-                                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32)}
+        unknown = set(ending_events) - set(HARD)
+        if unknown:
+            raise ValueError(f"ending_events: unknown {sorted(unknown)}; use names of {HARD}")
+        self._ending = torch.tensor([k in ending_events for k in HARD], device=self.device)
+        self.observer = observer if observer is not None else CarlaObserver()  # the observation (a part)
+        self.observer.bind(self)
+        self.observation_spec = self.observer.spec()
         self.state: SimState | None = None
         self.state_type = state_type
         self.check_stop_lines = check_stop_lines
@@ -204,6 +120,9 @@ class SimEnv(BatchedEnv):
         self.actors = actors if actors is not None else SimTraffic()
         self.lights = lights if lights is not None else LightCycle()
         self.hooks = tuple(hooks)
+        if cfg.reward.mode != "carl_carla" and not any(type(h).reward is not StepHook.reward for h in self.hooks):
+            raise ConfigError(f"reward.mode={cfg.reward.mode!r} needs inputs this backend does not measure (CaRL's "
+                              "nuPlan reward: env=nuplan); use reward.mode=carl_carla here")
         for part in (self.starts, self.ego, self.actors, self.lights, *self.hooks):
             part.bind(self)
 
@@ -228,6 +147,8 @@ class SimEnv(BatchedEnv):
         self.ego.reset(s, rows)
         self.actors.reset(s, rows)
         self.lights.reset(s, rows)
+        for hook in self.hooks:
+            hook.start(s, rows)
         return s
 
     def reset(self, seed: int | None = None) -> dict[str, Tensor]:
@@ -330,9 +251,13 @@ class SimEnv(BatchedEnv):
             criteria.update_min_speed(c, w.route_cum[s.route_id, s.route_idx], w.route_len[s.route_id], s.ego_speed,
                                       traffic_speed, has_traffic, terminated | truncated)
         else:
-            ending_t = hard_t
-            terminated = hard_t.any(-1)
+            ending_t = hard_t & self._ending
+            terminated = ending_t.any(-1)
             truncated = (s.route_idx >= w.route_n[s.route_id] - 2) & ~terminated
+        for hook in self.hooks:
+            ends = hook.ends(s)
+            if ends is not None:
+                truncated = truncated | (ends & ~terminated)
 
         # soft penalties and the reward
         a_xy, a_yaw, a_speed, a_half, a_valid = self.obstacles(s, include_ego=False)
@@ -342,11 +267,19 @@ class SimEnv(BatchedEnv):
         s.hist_yaw = torch.cat((s.hist_yaw[:, 1:], s.ego_yaw.unsqueeze(1)), 1)
         comfort = comfort_violations(*infractions.comfort_metrics(s.hist_speed, s.hist_yaw, s.steps, cfg.dt), rcfg)
         terminal_penalty = torch.stack([hard_t[:, HARD.index(k)] for k in TERMINAL_PENALTY], -1).any(-1)
-        terms = compute_reward(RewardInputs(
-            progress=progress, outside_lanes=outside, speed=s.ego_speed, speed_limit=lane["speed_limit"],
-            ttc_violation=ttc, comfort_violation=comfort, lane_offset_ratio=lane["lane_ratio"],
-            terminal_penalty=terminal_penalty), s.reward_state, rcfg)
-        reward = terms.reward
+        if rcfg.mode == "carl_carla":
+            reward = compute_reward(RewardInputs(
+                progress=progress, outside_lanes=outside, speed=s.ego_speed, speed_limit=lane["speed_limit"],
+                ttc_violation=ttc, comfort_violation=comfort, lane_offset_ratio=lane["lane_ratio"],
+                terminal_penalty=terminal_penalty), s.reward_state, rcfg).reward
+        else:
+            reward = torch.zeros_like(progress)  # the backend's hook gives it (checked in __init__)
+        for hook in self.hooks:
+            own = hook.reward(s)
+            if own is not None:  # a backend's own reward and the episodes its hard constraints end
+                reward, ends = own
+                terminated = terminated | ends
+                truncated = truncated & ~terminated
         s.ep_return = s.ep_return + reward
 
         # episode bookkeeping: hard infractions, and soft ones counted on their rising edge
@@ -441,17 +374,7 @@ class SimEnv(BatchedEnv):
         return info
 
     def _observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
-        if speed_limit is None:
-            speed_limit = infractions.lane_measures(self.world, s.ego_xy, s.ego_yaw)["speed_limit"]
-        obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
-               OBS_VALUE_MEASUREMENTS: value_measurements(self.world, s, self.cfg, self.cfg.reward)}
-        if self.cfg.bev:
-            obs[OBS_BEV] = render_bev(self.world, s, self.cfg, lambda group: self.lights.state(s, group))
-        else:
-            spec = self.observation_spec[OBS_BEV]
-            obs[OBS_BEV] = torch.zeros((1, *spec.shape), dtype=torch.uint8, device=self.device).expand(
-                self.num_envs, *spec.shape)  # no rendering: a broadcast view, no memory
-        return obs
+        return self.observer.observe(s, speed_limit)
 
     def running_episodes(self) -> dict[str, Tensor]:
         """``episode/...`` statistics of every row's episode as it stands now (evaluation reports routes still

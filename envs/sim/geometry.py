@@ -89,3 +89,18 @@ def point_in_quads(p: Tensor, quads: Tensor) -> Tensor:
     cross = e[..., 0] * w[..., 1] - e[..., 1] * w[..., 0]
     return (cross >= 0).all(-1)
 
+
+
+def points_in_polygons(points: Tensor, edges: Tensor, edge_polygon: Tensor, num_polygons: int) -> Tensor:
+    """Whether each point lies inside any of a set of polygons (holes allowed), batched: ``points`` [B, K, 2],
+    ``edges`` [B, E, 4] (x1, y1, x2, y2 of every ring edge; padding edges with y1 == y2 never count),
+    ``edge_polygon`` [B, E] (the polygon each edge belongs to) -> [B, K] bool. Even-odd crossings per polygon, so
+    overlapping polygons and their holes are each judged on their own."""
+    px, py = points[..., 0].unsqueeze(-1), points[..., 1].unsqueeze(-1)  # [B, K, 1]
+    x1, y1, x2, y2 = (edges[..., i].unsqueeze(1) for i in range(4))  # [B, 1, E]
+    spans = (y1 > py) != (y2 > py)
+    x_at = x1 + (py - y1) * (x2 - x1) / torch.where(y2 == y1, torch.ones_like(y2), y2 - y1)
+    cross = (spans & (px < x_at)).to(torch.int32)  # [B, K, E]
+    per_polygon = torch.zeros(*cross.shape[:2], num_polygons, dtype=torch.int32, device=points.device)
+    per_polygon.scatter_add_(2, edge_polygon.unsqueeze(1).expand_as(cross), cross)
+    return (per_polygon % 2 == 1).any(-1)

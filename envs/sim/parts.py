@@ -9,7 +9,8 @@ world, config, random generator and device) and called at fixed points:
   ``lights.reset`` (the random draws of the built-in simulator follow this order);
 * a step: ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` -> route progress, infractions,
   reward (``lights.state`` answers light queries throughout) -> ``hook.episode_info`` -> ``hook.end_step`` ->
-  auto-reset of finished rows -> ``actors.refresh`` -> the observation.
+  auto-reset of finished rows -> ``actors.refresh`` -> the observation (``observer.observe``; ``reset`` ends with
+  it too).
 
 Every call is batched over the rows of the state it gets. Parts may keep their own per-row state in an extension of
 the state dataclass (``SimEnv(state_type=...)``, e.g. :class:`envs.nuplan.env.NuplanState`), filled in ``reset``.
@@ -22,10 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from envs.api import (BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
+                      VALUE_MEASUREMENTS, TensorSpec)
 from envs.sim import agents
 from envs.sim.dynamics import GEAR_UP_SPEEDS, bicycle_step
 from envs.sim.geometry import wrap_angle
-from envs.sim.infractions import HISTORY
+from envs.sim.infractions import HISTORY, lane_measures
+from envs.sim.observation import measurements, render_bev, value_measurements
 from envs.sim.world import light_state
 
 if TYPE_CHECKING:
@@ -101,12 +105,26 @@ class LightSource(Part, abc.ABC):
 
 
 class StepHook(Part):
-    """Optional per-step additions of a backend; both methods do nothing by default."""
+    """Optional additions of a backend to each episode start and step; every method does nothing by default."""
 
     def episode_info(self, s: SimState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         """More ``episode/...`` statistics of every row (``ending``: the events that ended the episode this step);
         asked after each step's checks and by ``SimEnv.running_episodes``."""
         return {}
+
+    def start(self, s: SimState, rows: Tensor) -> None:
+        """Fresh episodes: ``s`` holds the new state of environments ``rows`` (``len(rows)`` rows), before it is
+        written into the batch."""
+
+    def ends(self, s: SimState) -> Tensor | None:
+        """Rows whose episode ends this step by the backend's own clock (e.g. a logged scenario's last frame), before
+        the step's statistics are taken; such ends are truncations. None: no such rule."""
+        return None
+
+    def reward(self, s: SimState) -> tuple[Tensor, Tensor] | None:
+        """A backend's own reward of this step and the rows its hard constraints end (terminations), in place of the
+        core's CaRL (CARLA) reward; None: the core's reward."""
+        return None
 
     def end_step(self, s: SimState, terminated: Tensor, truncated: Tensor, info: dict[str, Tensor]) -> Tensor:
         """The last word on a step before finished rows restart: may add to ``info`` and end more episodes (returns
@@ -214,3 +232,55 @@ class LightCycle(LightSource):
 
     def state(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
         return light_state(self.env.world, group, s.t, s.light_offset, self.env.cfg)
+
+
+# ---------------------------------------------------------------------------------------------- what the policy sees
+class Observer(Part, abc.ABC):
+    """The observation: what the policy and the critic see of a state, and its spec (``SimEnv.observation_spec``).
+
+    ``layout`` names it (``envs.api.LAYOUTS``); the spec names every BEV channel and measurement (``TensorSpec.names``)
+    so that a consumer (the trainer's policy, an exported bundle, a deployment adapter) never guesses."""
+
+    layout: str
+
+    @abc.abstractmethod
+    def spec(self) -> dict[str, TensorSpec]:
+        """Shape, dtype, bounds and names of every observation key (asked once, after :meth:`bind`)."""
+
+    @abc.abstractmethod
+    def observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+        """The observation of every row of ``s``; ``speed_limit`` [B] (m/s at the ego) when the caller has it
+        already (the step computed it for its checks), else the observer looks it up if it needs it."""
+
+    def blank_bev(self) -> Tensor:
+        """The BEV of an env built with ``bev=False``: zeros as a broadcast view (no memory, nothing drawn)."""
+        env = self.env
+        spec = env.observation_spec[OBS_BEV]
+        return torch.zeros((1, *spec.shape), dtype=torch.uint8, device=env.device).expand(env.num_envs, *spec.shape)
+
+
+class CarlaObserver(Observer):
+    """CaRL's CARLA observation (``carl-reference.md`` §2; :mod:`envs.sim.observation`): the 10-channel BEV, 8
+    measurements and 10 critic values. Every backend's default."""
+
+    layout = LAYOUT_CARLA
+
+    def spec(self) -> dict[str, TensorSpec]:
+        cfg = self.env.cfg
+        bev = (len(BEV_CHANNELS), cfg.bev_size, cfg.bev_size)
+        return {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255, BEV_CHANNELS),
+                OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
+                OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
+                                                   names=VALUE_MEASUREMENTS)}
+
+    def observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+        env = self.env
+        if speed_limit is None:
+            speed_limit = lane_measures(env.world, s.ego_xy, s.ego_yaw)["speed_limit"]
+        obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
+               OBS_VALUE_MEASUREMENTS: value_measurements(env.world, s, env.cfg, env.cfg.reward)}
+        if env.cfg.bev:
+            obs[OBS_BEV] = render_bev(env.world, s, env.cfg, lambda group: env.lights.state(s, group))
+        else:
+            obs[OBS_BEV] = self.blank_bev()
+        return obs

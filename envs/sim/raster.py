@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from envs.maps.raster import MapRaster
 
-__all__ = ["BevConfig", "crop_static", "world_to_bev", "draw_boxes", "draw_discs", "draw_segments",
+__all__ = ["BevConfig", "crop_static", "crop_index", "world_to_bev", "draw_boxes", "draw_discs", "draw_segments",
            "box_fraction_on"]
 
 Tensor = torch.Tensor
@@ -189,6 +190,38 @@ def crop_static(raster: MapRaster, layer_ids: list[int], ego_xy: Tensor, ego_yaw
         else:
             for k, ch in enumerate(out_channels):
                 out[s:e, ch].copy_(pix[:, k])
+    return out
+
+
+def crop_index(raster: MapRaster, key: str, index: Tensor | Callable[[], Tensor], ego_xy: Tensor, ego_yaw: Tensor,
+               cfg: BevConfig = BevConfig()) -> Tensor:
+    """Ego-centric crops of an integer map on the raster's grid: int32 ``[B, H, W]`` (nearest sampling at the
+    raster's own resolution, never pooled; -1 outside the map).
+
+    ``index`` is an integer ``[raster.height, raster.width]`` map (e.g. the lane under every pixel), or a function
+    that makes it; it is padded once and cached on the raster under ``key`` (later calls with the same ``key`` and
+    ``cfg`` reuse the cached copy, so a function is not called again). Same frame and gather as :func:`crop_static`.
+    """
+    ck = ("crop_index", key, cfg)
+    hit = raster.cache.get(ck)
+    if hit is None:
+        pad = 2 * _view_radius_px(cfg, raster.ppm)
+        index = index() if callable(index) else index
+        h, w = index.shape[-2:]
+        buf = torch.full((h + 2 * pad, w + 2 * pad), -1, dtype=torch.int32, device=raster.device)
+        buf[pad:pad + h, pad:pad + w] = index.to(device=raster.device, dtype=torch.int32)
+        hit = raster.cache[ck] = (buf.view(-1), w + 2 * pad, pad)
+    flat, wp, pad = hit
+    hp = flat.numel() // wp
+    b, n = ego_xy.shape[0], cfg.size
+    out = torch.empty(b, n, n, dtype=torch.int32, device=ego_xy.device)
+    step = b if ego_xy.device.type != "cpu" else max(1, _CPU_CROP_CHUNK_PIXELS // (n * n))
+    col_r, col_c, row_r, row_c = _bev_affine_terms(raster.origin, raster.ppm, pad, hp, wp, ego_xy, ego_yaw, cfg)
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        mc = (col_r[s:e, :, None] + col_c[s:e, None, :]).to(torch.int32)
+        mr = (row_r[s:e, :, None] + row_c[s:e, None, :]).to(torch.int32)
+        out[s:e] = torch.index_select(flat, 0, torch.add(mc, mr, alpha=wp).view(-1)).view(e - s, n, n)
     return out
 
 

@@ -5,6 +5,8 @@ the step needs is a tensor here so that the step itself never touches Python obj
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -14,8 +16,9 @@ import torch
 from torch import Tensor
 
 from envs.maps.lanegraph import LaneGraph, MapError
+from envs.maps.atlas import build_atlas
 from envs.maps.raster import MapRaster, load_or_compile_raster
-from envs.routes import Route
+from envs.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim.config import SimConfig
 
 
@@ -293,3 +296,88 @@ def sample_spawn(world: World, shape: tuple[int, ...], gen: torch.Generator, map
     s = torch.rand(shape, generator=gen, device=world.device) * world.lane_len[lane]
     return lane, s
 
+
+# ---------------------------------------------------------------------------------------------- a config's world
+_WORLDS: dict[tuple, World] = {}
+
+
+def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> World:
+    """The maps and route bank for ``cfg`` (procedural towns, CARLA towns, map files, or a mix of them) on
+    ``device``.
+
+    Worlds are immutable, so they are shared between environment objects of the same process.
+    """
+    key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
+           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
+           cfg.num_routes, cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
+    if key not in _WORLDS:
+        _WORLDS[key] = _build_world(cfg, device, route_seed)
+    return _WORLDS[key]
+
+
+EVAL_ROUTE_SEED = 7919  # seed of the held-out random route bank (route_split=eval)
+
+
+def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
+               key: str = "env.options.map (or env.options.maps)", noun: str = "map") -> list[Route]:
+    """The routes of one map: those of ``cfg.route_file`` for this town, else a seeded bank of random routes
+    (``key``, ``noun``: the option that picks the map and what it calls it, for the error)."""
+    if cfg.route_file:
+        town = Path(name).stem
+        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
+                  if t == town]
+        if not routes:
+            raise MapError(f"route file {cfg.route_file} has no routes for {noun} '{town}'; set {key} to a {noun} it uses")
+        return routes
+    seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
+    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
+                         junction_start=cfg.route_junction_start)
+
+
+def bev_reach_m(cfg: SimConfig) -> float:
+    """Farthest distance from the ego that its BEV shows (the corner of the image farthest from the ego)."""
+    row = cfg.bev_size - 1 - cfg.bev_ego_from_bottom
+    return math.hypot(cfg.bev_size // 2 + 1, max(row, cfg.bev_size - 1 - row) + 1) / cfg.bev_ppm
+
+
+def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World:
+    names = list(cfg.maps) or [cfg.map]
+    graphs, routes_by_map = [], []
+    for k, name in enumerate(names):
+        try:
+            graph = load_graph(dataclasses.replace(cfg, map=name)).compact_junctions()
+            routes_by_map.append(map_routes(graph, name, cfg, route_seed))
+        except (MapError, RouteError) as exc:
+            if not cfg.maps:
+                raise
+            raise type(exc)(f"env.options.maps[{k}]={name!r}: {exc}") from None
+        graphs.append(graph)
+    if len(names) == 1:
+        return build_world(graphs[0], routes_by_map[0], cfg, device)
+    rasters = [load_or_compile_raster(g, cfg.map_ppm, map_cache_dir(cfg)) for g in graphs]
+    # no BEV shows another map (traffic, pedestrians and spawns are drawn on the row's own map anyway)
+    atlas = build_atlas(graphs, rasters, gap_m=bev_reach_m(cfg) + 10.0)
+    moved = [[Route(r.name, (r.points + atlas.shifts[k]).astype(np.float32), r.lanes + atlas.lane_offsets[k])
+              for r in rs] for k, rs in enumerate(routes_by_map)]
+    # interleaved (route j of every map, then route j + 1, ...): the first N routes of a fixed assignment (the eval
+    # split) cover every map
+    order = sorted(((j, k) for k, rs in enumerate(moved) for j in range(len(rs))))
+    routes = [moved[k][j] for j, k in order]
+    return build_world(atlas.graph, routes, cfg, device, raster=atlas.raster, map_names=names,
+                       lane_offsets=atlas.lane_offsets, route_map=np.array([k for _, k in order]),
+                       map_weights=cfg.map_weights)
+
+
+def load_graph(cfg: SimConfig) -> LaneGraph:
+    if cfg.map == "procedural":
+        from envs.maps.procedural import generate_world
+
+        seeds = cfg.eval_town_seeds if cfg.route_split == "eval" else cfg.town_seeds
+        return generate_world(cfg.procedural, list(seeds))
+    if cfg.map.endswith(".npz"):
+        return LaneGraph.load(cfg.map)
+    from envs.maps import opendrive
+
+    if cfg.map.endswith(".xodr"):
+        return opendrive.load_opendrive(cfg.map)
+    return opendrive.load_town(cfg.map)
