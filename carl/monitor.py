@@ -205,6 +205,8 @@ def format_eval_table(results: dict[str, dict[str, Any]]) -> str:
     """Side-by-side table of evaluation results (one column per policy)."""
     names = list(results)
     rows = [("driving_score", "DS"), ("route_completion", "RC"), ("infraction_score", "IS"), ("episodes", "episodes")]
+    if any("closed_loop_score" in r for r in results.values()):  # nuPlan: its closed-loop score first
+        rows.insert(0, ("closed_loop_score", "CLS"))
     head = f"{'metric':<12}" + "".join(f"{n:>12}" for n in names)
     lines = [head, "-" * len(head)]
     for key, label in rows:

@@ -32,7 +32,7 @@ from carl.cli import run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.loop import evaluate
 from carl.eval.policies import PolicyFactory, expert_factory, random_policy
-from carl.eval.store import write_result
+from carl.eval.store import headline, write_result
 from carl.monitor import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
@@ -287,7 +287,8 @@ class Evaluation:
                           lg.eval_max_steps, self.seed)
         result.update(update=update, global_step=global_step)
         write_result(result, self.run_dir / "eval" / f"{name}.json")
-        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return")}
+        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return",
+                                                     "closed_loop_score") if k in result}
         scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
         self.tb.scalars(scalars, global_step)
         return result
@@ -422,8 +423,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
             t_eval = time.perf_counter()
             result = evaluation.run(f"update_{update:06d}", update, global_step)
             stats["time/eval"] = time.perf_counter() - t_eval
-            if result is not None and result["driving_score"] > best_ds:
-                best_ds = result["driving_score"]
+            if result is not None and headline(result) > best_ds:
+                best_ds = headline(result)
                 checkpoints.save("best.pt", update, global_step, best_ds)
         t_ck = time.perf_counter()
         for name in files:
@@ -454,8 +455,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     elif ctx.is_main:
         final = evaluation.run("final", update, global_step)
         if final is not None:
-            if final["driving_score"] > best_ds:
-                best_ds = final["driving_score"]
+            if headline(final) > best_ds:
+                best_ds = headline(final)
                 checkpoints.save("best.pt", update, global_step, best_ds)
             checkpoints.save("last.pt", update, global_step, best_ds)
             evaluation.baselines(final)

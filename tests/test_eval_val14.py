@@ -90,3 +90,15 @@ def test_val14_score_does_not_depend_on_the_batch(dataset, tmp_path):
     a, b = scores("one"), scores("all")
     assert a.keys() == b.keys() and len(a) == len(dataset[2])
     assert all(abs(a[k] - b[k]) <= 1e-6 for k in a), (a, b)
+
+
+def test_training_evaluations_rank_nuplan_runs_by_the_closed_loop_score():
+    """carl-train's periodic evaluation on env=nuplan reports CLS (x 100) and picks best.pt by it."""
+    from carl.eval.store import aggregate, headline
+
+    eps = [{"episode/driving_score": 90.0, "episode/route_completion": 90.0, "episode/infraction_score": 1.0,
+            "episode/return": 1.0, "episode/nuplan_score": s} for s in (0.5, 1.0)]
+    result = aggregate(eps, 2)
+    assert result["closed_loop_score"] == pytest.approx(75.0) and headline(result) == pytest.approx(75.0)
+    carla = aggregate([{k: v for k, v in ep.items() if k != "episode/nuplan_score"} for ep in eps], 2)
+    assert "closed_loop_score" not in carla and headline(carla) == pytest.approx(90.0)

@@ -58,6 +58,8 @@ def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any
         "infractions_per_km": {},
         "termination": {},
     }
+    if "episode/nuplan_score" in summary:  # nuPlan's closed-loop score (x 100, as CLS is reported)
+        result["closed_loop_score"] = 100.0 * summary["episode/nuplan_score"]
     for key, val in summary.items():
         if key.startswith("episode/infractions_per_km/"):
             result["infractions_per_km"][key.rsplit("/", 1)[1]] = val
@@ -66,6 +68,12 @@ def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any
         elif key.startswith("episode/") and key not in ("episode/count",) and "/infractions/" not in key:
             result.setdefault("means", {})[key[len("episode/"):]] = val
     return result
+
+
+def headline(result: dict[str, Any]) -> float:
+    """The one number an evaluation is ranked by (best.pt): nuPlan's closed-loop score where the env reports it, the
+    driving score elsewhere."""
+    return float(result.get("closed_loop_score", result["driving_score"]))
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
