@@ -16,7 +16,7 @@ venv: $(BIN)/python
 	$(BIN)/pip install -q -e .
 
 dev: $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev,nuplan]"
+	$(BIN)/pip install -q -e ".[dev,nuplan,sweep]"
 
 train: venv
 	$(BIN)/carl-train +experiment=quick

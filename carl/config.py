@@ -16,6 +16,7 @@ carl-train, carl-eval and carl-export share; split, every change to a key would 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,19 @@ def register_configs() -> None:
     for backend in envs.BACKENDS:
         cs.store(group="env", name=f"{backend}_schema", node=env_schema(backend))
     cs.store(group="env", name="custom_schema", node=EnvConfig)
+    try:  # the commands' --help text (conf/*.yaml select hydra/help: carl); carl.cli stores the command's own
+        cs.load("hydra/help/carl.yaml")
+    except Exception:  # noqa: BLE001 - not stored yet
+        register_help("$FLAGS_HELP")
+
+
+def register_help(template: str) -> None:
+    """The ``--help`` text of a command as Hydra's ``hydra/help`` config ``carl`` (a ``string.Template``: Hydra
+    substitutes ``$FLAGS_HELP``, ``$APP_CONFIG_GROUPS``, ``$HYDRA_CONFIG_GROUPS`` and ``$CONFIG``)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="hydra/help", name="carl", provider="carl",
+                                 node={"app_name": "carl", "header": "", "footer": "", "template": template})
 
 
 def schema(backend: str | None):  # -> DictConfig
@@ -342,33 +356,90 @@ def check_overrides(overrides: list[str], base: Any, groups: tuple[str, ...] = G
 
 
 def _compose(overrides: list[str], config_name: str, schemas: dict[str, type] | None,
-             groups: tuple[str, ...]) -> tuple[Any, Checks]:
+             groups: tuple[str, ...], with_hydra: bool = False) -> tuple[Any, Checks]:
     """Hydra's composition of the overrides that pass :func:`check_overrides`; the problems of the others are
     returned beside it, so that range checks can add theirs and everything is reported at once."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
+
+    base = _base(overrides, config_name, schemas, groups)
+    checks = Checks()
+    good, problems = check_overrides(overrides, base, groups)  # the bad ones are left out of the composition
+    checks.problems += problems
+    bad_choices = check_hydra_choices(overrides)
+    checks.problems += bad_choices.values()
+    good = [o for o in good if o not in bad_choices]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=good, return_hydra_config=with_hydra), checks
+    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types; all are user errors here
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = f"; `carl-{config_name} --cfg` prints every key" if "override" in msg.lower() else ""
+        raise ConfigError([*checks.problems, f"{msg} (overrides: {' '.join(overrides) or 'none'}){hint}"]) from None
+
+
+def _base(overrides: list[str], config_name: str, schemas: dict[str, type] | None, groups: tuple[str, ...]) -> Any:
+    """The typed schema the overrides are checked on (registered with Hydra on the way)."""
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     register_configs()
     if schemas:
         for name, node in schemas.items():
             ConfigStore.instance().store(name=name, node=node)
-        base = OmegaConf.structured(schemas[f"{config_name}_schema"])
-    else:
-        base = schema(backend_of(_env_choice(overrides, config_name, groups)))
-    checks = Checks()
-    good, problems = check_overrides(overrides, base, groups)  # the bad ones are left out of the composition
-    checks.problems += problems
+        return OmegaConf.structured(schemas[f"{config_name}_schema"])
+    return schema(backend_of(_env_choice(overrides, config_name, groups)))
+
+
+def free_keys(overrides: list[str], config_name: str = "train", schemas: dict[str, type] | None = None,
+              groups: tuple[str, ...] = GROUPS) -> set[str]:
+    """The keys of ``overrides`` that lie in a free mapping (``env.eval_options.x``, a custom env's options), which
+    Hydra takes only with ``++``: :func:`compose` adds it, and so must a caller that hands overrides to Hydra."""
+    good, _ = check_overrides(overrides, _base(overrides, config_name, schemas, groups), groups)
+    return {g[2:].split("=", 1)[0] for g in good if g.startswith("++")} - {
+        o[2:].split("=", 1)[0] for o in overrides if o.startswith("++")}
+
+
+# plugin groups of Hydra: the preset names of conf/hydra/<group>/ and the packages that provide the others
+HYDRA_PLUGINS = {"hydra/launcher": {"submitit_local": "hydra-submitit-launcher",
+                                    "submitit_slurm": "hydra-submitit-launcher"},
+                 "hydra/sweeper": {"optuna": "hydra-optuna-sweeper"}}
+
+
+def hydra_options(group: str) -> list[str]:
+    """The choices of a Hydra config group (``hydra/launcher``): Hydra's own, the installed plugins' and ours."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
     GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=good), checks
-    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types; all are user errors here
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = f"; `carl-{config_name} --cfg` prints every key" if "override" in msg.lower() else ""
-        raise ConfigError([*checks.problems, f"{msg} (overrides: {' '.join(overrides) or 'none'}){hint}"]) from None
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        options = GlobalHydra.instance().config_loader().get_group_options(group)
+    GlobalHydra.instance().clear()
+    return sorted(options)
+
+
+def check_hydra_choices(overrides: list[str]) -> dict[str, str]:
+    """``hydra/launcher=<name>`` and ``hydra/sweeper=<name>``: an unknown name, or one whose plugin package is not
+    installed -> the problem, naming the fix (override -> problem)."""
+    problems = {}
+    for o in overrides:
+        key, _, name = o.lstrip("+~").partition("=")
+        if key not in HYDRA_PLUGINS or not name:
+            continue
+        options = hydra_options(key)
+        preset = CONF_DIR / key / f"{name}.yaml"
+        base = next((b for b in HYDRA_PLUGINS[key] if preset.is_file() and f"- {b}" in preset.read_text()), name)
+        if base in HYDRA_PLUGINS[key] and base not in options:  # a plugin's preset (or one extending it), absent
+            problems[o] = (f"{key}={name} needs the {HYDRA_PLUGINS[key][base]} package (not installed): "
+                           "pip install -e '.[sweep]' (make dev installs it)")
+        elif name not in options:
+            close = difflib.get_close_matches(name, options, n=1)
+            problems[o] = (f"{key}={name} is unknown; " + (f"did you mean {key}={close[0]}? " if close else "")
+                           + f"choose one of {', '.join(options)} (presets: conf/{key}/)")
+    return problems
 
 
 def _env_choice(overrides: list[str], config_name: str, groups: tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ Usage::
     carl-export checkpoint=runs/quick-.../last.pt out_dir=bundles/quick bev_dtype=float32
     carl-export checkpoint=... onnx_exporter=torchscript overwrite=true
     carl-export --cfg                                   # print the composed config and exit
+    carl-export checkpoint=runs/quick-.../best.pt hydra.run.dir=bundles/quick     # the bundle in bundles/quick
 
 After writing, the TorchScript and ONNX graphs are compared with the checkpoint on random observations
 (``check=true``); a difference above 1e-4 is an error (exit code 1). Bad input exits with code 2.
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 from carl.bundle import BundleError, check_bundle, export_bundle
 from carl.checkpoint import CheckpointError
-from carl.cli import run_command
+from carl.cli import Command, run_command
 from carl.config import ConfigError, compose
 
 PARITY_TOL = 1e-4
@@ -71,12 +72,43 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+class ExportCommand(Command):
+    """``carl-export`` for :func:`carl.cli.run_command`: the bundle goes to ``out_dir``, else ``hydra.run.dir`` if
+    given, else ``<checkpoint folder>/bundle-<checkpoint name>``."""
+
+    name = "export"
+    folder_key = "out_dir"
+    schemas = {"export_schema": ExportConfig}  # noqa: RUF012
     error = ("carl-export error", 2, "")
-    run_command(argv, __doc__, load, run,
-                {ConfigError: error, CheckpointError: error, BundleError: error, ValueError: error})
+    errors = {ConfigError: error, CheckpointError: error, BundleError: error, ValueError: error}  # noqa: RUF012
+
+    def load(self, overrides: list[str]) -> dict[str, Any]:
+        return load(overrides)
+
+    def run(self, cfg: dict[str, Any]) -> int:
+        return run(cfg)
+
+    def default_folder(self, cfg: dict[str, Any]) -> str | None:
+        if cfg.get("checkpoint") in (None, "???"):
+            return None
+        ckpt = Path(str(cfg["checkpoint"]))
+        return str(ckpt.parent / f"bundle-{ckpt.stem}")
+
+    def check(self, cfg: dict[str, Any]) -> list[str]:
+        if cfg.get("checkpoint") in (None, "???"):
+            return ["checkpoint=<path to a .pt checkpoint> is required"]
+        if not Path(str(cfg["checkpoint"])).is_file():
+            return [f"checkpoint={cfg['checkpoint']}: {cfg['checkpoint']} does not exist (pass a carl-train "
+                    "checkpoint, e.g. runs/<run>/best.pt)"]
+        return []
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command(ExportCommand(), argv)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    main()
+    from carl.export import main as _main  # this module under its own name (jobs pickled for a cluster import it)
+
+    _main()

@@ -7,17 +7,25 @@ Usage::
     carl-train +experiment=quick ppo.learning_rate=1e-4 run_dir=runs/mine
     carl-train resume=runs/quick-20250101-120000       # continue a run (counters, curves, RNG, env state)
     carl-train --cfg +experiment=quick                 # print the composed config and exit
+    carl-train -m +experiment=quick seed=1,2,3         # a sweep: 3 runs in one folder, a summary at the end
+    carl-train -m +experiment=quick hydra/launcher=slurm_node   # each run a SLURM job (docs/distributed.md)
+    carl-train -m +experiment=quick hydra/sweeper=optuna_lr     # Optuna: lr and ent_coef for the final DS
 
-The config is composed with Hydra's compose API from ``conf/train.yaml`` over the schema of :mod:`carl.config` (no
-working-directory change, no ``outputs/`` folder), validated once (every error at once; exit code 2) and saved to
-``<run dir>/config.yaml``. The loop below is the whole algorithm: collect, update, log, evaluate, checkpoint.
+The config is ``conf/train.yaml`` over the schema of :mod:`carl.config`. Every override is checked first (every
+error at once; exit code 2), then Hydra's app runner runs the job(s) without changing the working directory. The
+run folder is ``run_dir`` if given, else ``hydra.run.dir`` (default ``runs/<experiment>-<timestamp>``); in a sweep
+(``-m``) ``hydra.sweep.dir/<job number>`` (default ``runs/sweeps/<experiment>-<timestamp>/<n>``), with
+``sweep_summary.md``/``.json`` beside. The run's config is saved to ``<run dir>/config.yaml``. The loop below is
+the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,12 +36,12 @@ import torch
 
 from carl import checkpoint as ckpt_lib
 from carl import config
-from carl.cli import run_command
+from carl import sweep
+from carl.cli import Command, quote, run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
-from carl.eval.loop import evaluate
-from carl.eval.policies import PolicyFactory, expert_factory, random_policy
-from carl.eval.store import headline, write_result
-from carl.monitor import PhaseTimer, ProgressBar, TBLogger, format_eval_table, summary_line
+from carl.eval.during_training import Evaluation, run_benchmark
+from carl.eval.store import headline
+from carl.monitor import PhaseTimer, ProgressBar, TBLogger, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
 from carl.policy import CarlPolicy, describe
@@ -183,17 +191,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_benchmark(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
-    """``carl-eval policy=<run>/best.pt benchmark=<logging.final_benchmark>`` into ``<run>/eval/<benchmark>``."""
-    from carl.eval import cli as carl_eval
-
-    name = cfg.logging.final_benchmark
-    print(f"benchmark {name} (its own conditions) on {run_dir / 'best.pt'}:", flush=True)
-    eval_cfg = carl_eval.load([f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
-                                          f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
-    return carl_eval.run(eval_cfg)
-
-
 def train(cfg: TrainConfig) -> int:
     """One process, or one rank of a torchrun launch (``WORLD_SIZE`` > 1): join the process group, then train."""
     check_device(cfg, torch.cuda.is_available())
@@ -258,58 +255,6 @@ class Checkpoints:
         ckpt_lib.atomic_save(payload, self.run_dir / name)
 
 
-class Evaluation:
-    """Held-out evaluation of the training policy (rank 0): periodic, final, and the baselines beside it."""
-
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, run_dir: Path, device: torch.device, policy: CarlPolicy,
-                 tb: TBLogger) -> None:
-        self.cfg, self.ctx, self.run_dir, self.device, self.policy, self.tb = cfg, ctx, run_dir, device, policy, tb
-        self.seed = cfg.seed + 1_000_003
-
-    @property
-    def enabled(self) -> bool:
-        return self.cfg.logging.eval_episodes > 0 and self.ctx.is_main
-
-    def due(self, update: int, num_updates: int) -> bool:
-        every = self.cfg.logging.eval_every
-        return bool(every) and update % every == 0 and update != num_updates
-
-    def make_env(self, n: int) -> BatchedEnv:
-        return build_env(self.cfg, n, self.device, self.seed, eval=True)
-
-    def run(self, name: str, update: int, global_step: int) -> dict[str, Any] | None:
-        """Evaluate the policy, write ``eval/<name>.json`` and log it; None where evaluation is off (or not rank 0)."""
-        if not self.enabled:
-            return None
-        lg = self.cfg.logging
-        self.policy.eval()
-        result = evaluate(self.make_env, lambda _env: self.policy.deterministic_action, lg.eval_episodes,
-                          lg.eval_max_steps, self.seed)
-        result.update(update=update, global_step=global_step)
-        write_result(result, self.run_dir / "eval" / f"{name}.json")
-        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return",
-                                                     "closed_loop_score") if k in result}
-        scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
-        self.tb.scalars(scalars, global_step)
-        return result
-
-    def baselines(self, trained: dict[str, Any]) -> None:
-        """The random policy and the backend's expert on the same routes; prints the table."""
-        lg, name = self.cfg.logging, self.cfg.env.name
-        results: dict[str, dict[str, Any]] = {"trained": trained}
-        if lg.final_baselines:
-            factories: dict[str, PolicyFactory] = {"random": random_policy}
-            expert = None if ":" in name else expert_factory(name)
-            if expert is not None:
-                factories["expert"] = expert
-            for who, factory in factories.items():
-                results[who] = evaluate(self.make_env, factory, lg.eval_episodes, lg.eval_max_steps, self.seed)
-            write_result(results, self.run_dir / "eval" / "baselines.json")
-            if expert is None and ":" not in name:
-                print(f"(no expert for env {name!r}: envs.{name}.expert.make_expert not found)")
-        print(f"final evaluation on {lg.eval_episodes} held-out routes:\n{format_eval_table(results)}")
-
-
 def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     from omegaconf import OmegaConf
 
@@ -363,7 +308,8 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
 
     tb = TBLogger(run_dir / "tb", cfg.logging.tensorboard and ctx.is_main,
                   purge_step=global_step + 1 if cfg.resume else None)
-    evaluation = Evaluation(cfg, ctx, run_dir, device, policy, tb)
+    evaluation = Evaluation(cfg, ctx.is_main, run_dir, policy, tb,
+                            lambda n, seed: build_env(cfg, n, device, seed, eval=True))
     stop = StopRequest()
     stop.install()
     # with several ranks, a stop is agreed on at update boundaries (all ranks stop at the same update)
@@ -474,12 +420,80 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # Entry point
 # ------------------------------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> None:
-    run_command(argv, __doc__, load_config, train, {
+class TrainCommand(Command):
+    """``carl-train`` for :func:`carl.cli.run_command`: the run folder is ``run_dir`` (one run: else
+    ``hydra.run.dir``; a sweep: ``hydra.sweep.dir/<job>``); the result is ``eval/final.json``."""
+
+    name = "train"
+    folder_key = "run_dir"
+    groups = config.GROUPS
+    errors = {  # noqa: RUF012
         ConfigError: ("config error", 2, ""), ckpt_lib.CheckpointError: ("checkpoint error", 2, ""),
-        DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")})
+        DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")}
+    result_source = "eval/final.json"
+
+    def load(self, overrides: list[str]) -> TrainConfig:
+        return load_config(overrides)
+
+    def build(self, cfg: Any, overrides: list[str]) -> TrainConfig:
+        if any(o.startswith("resume=") for o in overrides):  # the run's saved config, not conf/train.yaml
+            return load_config(overrides)
+        return config.to_train_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def run(self, cfg: TrainConfig) -> int:
+        return train(cfg)
+
+    def execute(self, cfg: TrainConfig, job: Any) -> int:
+        """In a cluster job of several GPUs or nodes (``hydra/launcher=slurm_node``...): the same run through
+        torchrun, one rank per GPU, in this job's run folder."""
+        from omegaconf import OmegaConf
+
+        torchrun = sweep.torchrun_args(OmegaConf.to_container(job.launcher, resolve=True))
+        if torchrun is None:
+            return train(cfg)
+        command = [*torchrun, "-m", "carl.train", *job.overrides.task, f"run_dir={quote(cfg.run_dir)}",
+                   "hydra.output_subdir=null"]
+        print("torchrun:", " ".join(command), flush=True)
+        return subprocess.call(command)
+
+    def folder(self, cfg: TrainConfig) -> str | None:
+        return cfg.run_dir
+
+    def with_folder(self, cfg: TrainConfig, folder: str) -> TrainConfig:
+        cfg.run_dir = folder
+        return cfg
+
+    def check(self, cfg: TrainConfig) -> list[str]:
+        if cfg.resume and not (Path(cfg.resume) / "last.pt").is_file():
+            return [f"resume={cfg.resume}: {Path(cfg.resume) / 'last.pt'} does not exist (nothing to resume)"]
+        return []
+
+    def check_sweep(self, cfg: TrainConfig) -> list[str]:
+        if cfg.resume:
+            return [f"resume={cfg.resume} continues one run in its own folder: run it without -m (on a cluster as "
+                    "one job, through torchrun for several GPUs: docs/distributed.md)"]
+        return []
+
+    def holds_run(self, folder: Path) -> bool:
+        return (folder / "config.yaml").exists() or (folder / "last.pt").exists()
+
+    def refuses(self, cfg: TrainConfig) -> bool:
+        return not cfg.resume
+
+    def show(self, cfg: TrainConfig, overrides: list[str]) -> dict[str, Any] | None:
+        return cfg.to_dict() if cfg.resume else None  # a resumed run's saved config, as it will run
+
+    def result(self, folder: Path) -> dict[str, Any] | None:
+        final = folder / "eval" / "final.json"
+        return json.loads(final.read_text()) if final.is_file() else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command(TrainCommand(), argv)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    main()
+    from carl.train import main as _main  # this module under its own name: a cluster job unpickles it by that name
+
+    _main()

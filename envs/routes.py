@@ -18,7 +18,10 @@ ends). Edges go to the next node on the lane (cost: distance), from a lane's end
 the crossed marking is solid, so legal changes are preferred but a route never fails for a marking alone). Where a
 non-junction lane has no neighbour link on a side, a parallel same-direction lane one lane width over still gets
 lane-change edges at ``SOLID_LINE_PENALTY`` (loaders drop links across solid lines, while CARLA's lane-change
-permissions vary along a lane; the leaderboard's planner changes lanes there).
+permissions vary along a lane; the leaderboard's planner changes lanes there). Shortest paths run in
+``scipy.sparse.csgraph.dijkstra``, nearest-lane queries in a ``scipy.spatial.cKDTree``; among equally cheap paths
+the one a binary-heap Dijkstra settles first is taken (:class:`_Trace`), as the hand-written search before did:
+the same keypoints give the same route, point for point.
 
 One file, on purpose: the three route sources share the planning graph (``_GraphIndex``) and the densification
 into :class:`Route`; split, each would reach into the others' private index.
@@ -34,7 +37,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import dijkstra
+from scipy.spatial import cKDTree
 
+from envs.data import data_path
 from envs.maps.lanegraph import MARK_SOLID, LaneGraph
 from envs.maps.opendrive import carla_to_world  # pure numpy; the carla package is imported there on use
 
@@ -109,10 +116,10 @@ class Route:
 
 # ====================================================================== lane-graph index
 class _GraphIndex:
-    """Per-graph lookup structures (built once per graph and cached): per-lane arc lengths, a grid hash of lane
-    points for nearest-lane queries and the planning graph."""
+    """Per-graph lookup structures (built once per graph and cached): per-lane arc lengths, a KD-tree of lane
+    points for nearest-lane queries (``scipy.spatial.cKDTree``) and the planning graph."""
 
-    def __init__(self, graph: LaneGraph, cell: float = SNAP_RADIUS + 1.5) -> None:
+    def __init__(self, graph: LaneGraph) -> None:
         self.offsets = graph.offsets  # no reference to the graph itself: the cache must not keep it alive
         pts = graph.points.astype(np.float64)
         offs = graph.offsets
@@ -126,15 +133,7 @@ class _GraphIndex:
         # arc length of every point within its own lane
         self.point_s = cum - cum[offs[:-1]][self.point_lane]
         self.lane_len = self.point_s[offs[1:] - 1].copy()
-        # grid hash: points sorted by cell key
-        self.cell = float(cell)
-        ij = np.floor(pts / self.cell).astype(np.int64)
-        self._origin = ij.min(0) - 1
-        ij -= self._origin
-        self._ny = int(ij[:, 1].max()) + 3
-        keys = ij[:, 0] * self._ny + ij[:, 1]
-        self._order = np.argsort(keys, kind="stable")
-        self._keys = keys[self._order]
+        self.tree = cKDTree(pts)
         self._build_planning_graph(graph)
 
     # ------------------------------------------------------------------ geometry helpers
@@ -173,27 +172,15 @@ class _GraphIndex:
         return float(s[k]), float(d[k])
 
     def nearby_points(self, p: np.ndarray, radius: float) -> np.ndarray:
-        """Indices of lane points near ``p`` (within ``radius`` + 1.5 m; ``radius`` <= cell - 1.5), unsorted."""
-        c = np.floor(np.asarray(p, np.float64) / self.cell).astype(np.int64) - self._origin
-        found = []
-        for dx in (-1, 0, 1):
-            x = c[0] + dx
-            if x < 0:
-                continue
-            lo_key = x * self._ny + max(c[1] - 1, 0)
-            hi_key = x * self._ny + min(c[1] + 1, self._ny - 1)
-            if hi_key < lo_key:
-                continue
-            lo, hi = np.searchsorted(self._keys, [lo_key, hi_key], side="left")
-            hi = np.searchsorted(self._keys, hi_key, side="right")
-            if hi > lo:
-                found.append(self._order[lo:hi])
-        if not found:
-            return np.zeros(0, np.int64)
-        idx = np.concatenate(found)
-        # a segment within ``radius`` has an end within radius + its length (<= ~1 m); the 3x3 cells cover that
-        near = np.linalg.norm(self.pts[idx] - p, axis=1) <= radius + 1.5
-        return idx[near]
+        """Indices of lane points within ``radius`` + 1.5 m of ``p`` (as np.linalg.norm measures), sorted.
+
+        A segment within ``radius`` has an end within radius + its length (<= ~1 m)."""
+        p = np.asarray(p, np.float64)
+        idx = np.asarray(self.tree.query_ball_point(p, radius + 1.5 + 1e-6), np.int64)
+        if len(idx) == 0:
+            return idx
+        idx.sort()
+        return idx[np.linalg.norm(self.pts[idx] - p, axis=1) <= radius + 1.5]
 
     def lanes_near(self, p: np.ndarray, radius: float) -> dict[int, tuple[float, float]]:
         """{lane: (arc length, distance)} of every lane whose centre passes within ``radius`` of ``p``."""
@@ -267,7 +254,32 @@ class _GraphIndex:
                         edge = None
                     if edge is not None:
                         adj[i].append(edge)
-        self.adj = adj
+        # the edges as flat arrays (source-major, in the order above; an edge's id is its index), and per node the
+        # ids of the edges leaving / entering it
+        self.edge_src = np.repeat(np.arange(n, dtype=np.int64), [len(x) for x in adj])
+        flat = [e for x in adj for e in x]
+        self.edge_dst = np.array([e[0] for e in flat], np.int64)
+        self.edge_cost = np.array([e[1] for e in flat], np.float64)
+        self.edge_kind = np.array([e[2] for e in flat], np.int64)
+        self.edge_aux = np.array([e[3] for e in flat], np.float64)
+        # the same as Python lists, for tracing paths edge by edge
+        self.edge_lists = (self.edge_src.tolist(), self.edge_dst.tolist(), self.edge_cost.tolist(),
+                           (self.edge_kind == _EDGE_CHANGE).tolist())
+        ends = np.cumsum([len(x) for x in adj]).tolist()
+        self.edges_out: list[list[int]] = [list(range(e - len(x), e)) for x, e in zip(adj, ends)]
+        self.edges_in: list[list[int]] = [[] for _ in range(n)]
+        for e, v in enumerate(self.edge_dst.tolist()):
+            self.edges_in[v].append(e)
+        # the one edge into a node that only one edge enters (most nodes along a lane), else -1
+        self.only_edge_in = [x[0] if len(x) == 1 else -1 for x in self.edges_in]
+        self._search_graphs: dict[float, _SearchGraph] = {}
+
+    def search_graph(self, lane_change_cost: float) -> "_SearchGraph":
+        """The planning graph for scipy's Dijkstra with ``lane_change_cost`` (built once per cost)."""
+        key = float(lane_change_cost)
+        if key not in self._search_graphs:
+            self._search_graphs[key] = _SearchGraph(self, key)
+        return self._search_graphs[key]
 
     def _lane_change_edge(self, i: int, nb: int, penalty: float, width: float
                           ) -> tuple[int, float, int, float] | None:
@@ -305,6 +317,53 @@ class _GraphIndex:
             if nb != lane and not is_junction[nb] and hb is not None and float(h @ hb) > ALIGN_COS_STRICT:
                 return self._lane_change_edge(i, nb, SOLID_LINE_PENALTY, width)
         return None
+
+
+class _SearchGraph:
+    """The planning graph of one ``lane_change_cost`` as a sparse matrix for ``scipy.sparse.csgraph.dijkstra``.
+
+    Its distances are the floating-point sums a walk along the path makes: every search starts at a source node of its
+    own whose one edge leads to the first planning node and costs the way from the start place to it, and every
+    lane-change edge passes through a node of its own (the edge's cost, then ``lane_change_cost``), so costs come out
+    as ``((start + c1) + c2) + ...``, not merely close to them (plan_route compares candidate costs exactly).
+    Nodes: the planning nodes, then one per lane-change edge, then :data:`MAX_CANDIDATES` source nodes.
+    """
+
+    def __init__(self, idx: _GraphIndex, lane_change_cost: float) -> None:
+        n = len(idx.node_s)
+        change = idx.edge_kind == _EDGE_CHANGE
+        c = int(change.sum())
+        mid = n + np.arange(c)
+        rows = np.concatenate([idx.edge_src[~change], idx.edge_src[change], mid])
+        cols = np.concatenate([idx.edge_dst[~change], mid, idx.edge_dst[change]])
+        w = np.concatenate([idx.edge_cost[~change], idx.edge_cost[change], np.full(c, lane_change_cost)])
+        order = np.lexsort((w, cols, rows))  # of parallel edges keep the cheapest (what a search would take)
+        rows, cols, w = rows[order], cols[order], w[order]
+        first = np.ones(len(rows), bool)
+        first[1:] = (rows[1:] != rows[:-1]) | (cols[1:] != cols[:-1])
+        self.sources = n + c + np.arange(MAX_CANDIDATES)
+        rows = np.concatenate([rows[first], self.sources])
+        cols = np.concatenate([cols[first], np.zeros(MAX_CANDIDATES, np.int64)])
+        w = np.concatenate([w[first], np.zeros(MAX_CANDIDATES)])
+        size = n + c + MAX_CANDIDATES
+        indptr = np.searchsorted(rows, np.arange(size + 1), side="left")
+        # explicit zeros stay stored: csgraph reads them as zero-cost edges (a successor starting where a lane ends)
+        self.data, self.indices, self.indptr = w, cols.astype(np.int32), indptr.astype(np.int32)
+        self.slots = indptr[self.sources]  # the one entry of each source row, filled per search
+        self.size, self.num_nodes = size, n
+
+    def distances(self, starts: Sequence[tuple[int, float]], limit: float) -> np.ndarray:
+        """[S, N] distances from each (first node, cost to reach it) to every planning node; ``inf`` beyond
+        ``limit`` and where unreachable. Each call has its own copy of the matrix (safe from several threads)."""
+        out = []
+        for k in range(0, len(starts), MAX_CANDIDATES):
+            chunk = starts[k:k + MAX_CANDIDATES]
+            data, indices = self.data.copy(), self.indices.copy()
+            indices[self.slots[:len(chunk)]] = [j for j, _ in chunk]
+            data[self.slots[:len(chunk)]] = [d for _, d in chunk]
+            matrix = csr_matrix((data, indices, self.indptr), shape=(self.size, self.size))
+            out.append(dijkstra(matrix, directed=True, indices=self.sources[:len(chunk)], limit=limit))
+        return np.concatenate(out)[:, :self.num_nodes]
 
 
 def _project_segments(a: np.ndarray, b: np.ndarray, s_a: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -507,11 +566,11 @@ def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, who: s
     """
     near = idx.lanes_near(p, SNAP_RADIUS)
     if not near:
-        d = np.linalg.norm(idx.pts - p, axis=1)
-        j = int(np.argmin(d))
+        dj, j = idx.tree.query(p)
+        j = int(j)
         cx, cy = carla_to_world(float(p[0]), float(p[1]))  # the flip is its own inverse: our frame -> CARLA's
         raise RouteError(
-            f"{who}: keypoint {k} at ({p[0]:.1f}, {p[1]:.1f}) (CARLA x={cx:.1f}, y={cy:.1f}) is {d[j]:.1f} m from "
+            f"{who}: keypoint {k} at ({p[0]:.1f}, {p[1]:.1f}) (CARLA x={cx:.1f}, y={cy:.1f}) is {dj:.1f} m from "
             f"the nearest lane centre (lane {int(idx.point_lane[j])} at ({idx.pts[j, 0]:.1f}, {idx.pts[j, 1]:.1f})); "
             f"keypoints must lie within {SNAP_RADIUS:.0f} m of a lane. Fix: check that the route is for this map "
             "(its town attribute), that the file uses CARLA's coordinates (y is flipped on reading), or move the "
@@ -533,78 +592,142 @@ def _candidates(idx: _GraphIndex, is_junction: np.ndarray, p: np.ndarray, who: s
     return out
 
 
-def _shortest_paths(idx: _GraphIndex, src: _Place, targets: Sequence[_Place], lane_change_cost: float
-                    ) -> list[tuple[float, list[Segment]] | None]:
-    """Cheapest (cost, segments) from ``src`` to each target, or None where unreachable (Dijkstra over the
-    planning graph; a target slightly behind ``src`` on the same lane counts as reached)."""
-    out: list[tuple[float, list[Segment]] | None] = [None] * len(targets)
-    entry: dict[int, list[int]] = {}
+def _shortest_paths(idx: _GraphIndex, sources: Sequence[_Place], targets: Sequence[_Place],
+                    lane_change_cost: float) -> list[list[tuple[float, list[Segment]] | None]]:
+    """Per source, the cheapest (cost, segments) to each target, or None where unreachable (Dijkstra over the
+    planning graph, ``scipy.sparse.csgraph.dijkstra``; a target slightly behind the source on the same lane counts
+    as reached). Targets more than SEARCH_SLACK dearer than a source's cheapest target count as unreachable."""
+    out: list[list[tuple[float, list[Segment]] | None]] = [[None] * len(targets) for _ in sources]
     node_s, node_off = idx.node_s, idx.node_off
-    for t, tg in enumerate(targets):
-        if tg.lane == src.lane and tg.s >= src.s - BACKTRACK_TOLERANCE:
-            s_end = max(tg.s, src.s)
-            out[t] = (s_end - src.s, [(_SEG_LANE, src.lane, src.s, s_end)])
-            continue
+    entry = []  # per target: the last planning node at or before it on its lane
+    for tg in targets:
         a, b = int(node_off[tg.lane]), int(node_off[tg.lane + 1])
-        j = a + int(np.searchsorted(node_s[a:b], tg.s, side="right")) - 1
-        entry.setdefault(max(j, a), []).append(t)
-    if not entry:
-        return out
-    a, b = int(node_off[src.lane]), int(node_off[src.lane + 1])
-    j0 = min(a + int(np.searchsorted(node_s[a:b], src.s - 1e-9, side="left")), b - 1)
-    dist: dict[int, float] = {j0: max(0.0, float(node_s[j0]) - src.s)}
-    prev: dict[int, tuple[int, int, float]] = {}
-    heap: list[tuple[float, int, int]] = [(dist[j0], j0, -1)]
-    done: set[int] = set()
-    remaining = sum(len(v) for v in entry.values())
-    best = math.inf
-    adj = idx.adj
-    while heap and remaining:
-        d, u, tid = heapq.heappop(heap)
-        if d > best + SEARCH_SLACK:
-            break
-        if tid >= 0:  # arrival at target tid through node u
-            if out[tid] is None:
-                out[tid] = (d, _path_segments(idx, src, targets[tid], u, prev))
-                remaining -= 1
-                best = min(best, d)
-            continue
-        if u in done:
-            continue
-        done.add(u)
-        for t in entry.get(u, ()):
-            heapq.heappush(heap, (d + targets[t].s - float(node_s[u]), u, t))
-        for v, cost, kind, aux in adj[u]:
-            nd = d + cost + (lane_change_cost if kind == _EDGE_CHANGE else 0.0)
-            if nd < dist.get(v, math.inf):
-                dist[v] = nd
-                prev[v] = (u, kind, aux)
-                heapq.heappush(heap, (nd, v, -1))
+        entry.append(max(a + int(np.searchsorted(node_s[a:b], tg.s, side="right")) - 1, a))
+    starts: dict[int, tuple[int, float]] = {}  # per source that needs a search: (first node, cost to reach it)
+    wanted: dict[int, list[int]] = {}
+    for i, src in enumerate(sources):
+        for t, tg in enumerate(targets):
+            if tg.lane == src.lane and tg.s >= src.s - BACKTRACK_TOLERANCE:
+                s_end = max(tg.s, src.s)
+                out[i][t] = (s_end - src.s, [(_SEG_LANE, src.lane, src.s, s_end)])
+            else:
+                wanted.setdefault(i, []).append(t)
+        if i in wanted:
+            a, b = int(node_off[src.lane]), int(node_off[src.lane + 1])
+            j0 = min(a + int(np.searchsorted(node_s[a:b], src.s - 1e-9, side="left")), b - 1)
+            starts[i] = (j0, max(0.0, float(node_s[j0]) - src.s))
+    # search only as far as the targets are likely to be (paths between keypoints are seldom 1.5 times as long as
+    # the straight line); where a target lies beyond that and could still be within the slack of the cheapest one,
+    # search again to beyond the slack (the result is the same as one unlimited search)
+    far = max((float(np.hypot(*(idx.node_xy[entry[t]] - idx.node_xy[starts[i][0]]))) for i in wanted
+               for t in wanted[i]), default=0.0)
+    limit = 1.5 * far + 4.0 * NODE_SPACING
+    graph = idx.search_graph(lane_change_cost)
+    pending = list(wanted)
+    while pending:
+        again, need = [], 0.0
+        for i, dist in zip(pending, graph.distances([starts[i] for i in pending], limit)):
+            cost = {t: (float(dist[entry[t]]) + targets[t].s) - float(node_s[entry[t]]) for t in wanted[i]
+                    if math.isfinite(dist[entry[t]])}
+            best = min(cost.values(), default=math.inf)
+            if len(cost) < len(wanted[i]) and best + SEARCH_SLACK >= limit and math.isfinite(limit):
+                again.append(i)
+                need = max(need, best + SEARCH_SLACK)
+                continue
+            trace = _Trace(idx, dist, starts[i][0], lane_change_cost)
+            for t, c in cost.items():
+                if c <= best + SEARCH_SLACK:
+                    out[i][t] = (c, _path_segments(idx, sources[i], targets[t], trace.edges_to(entry[t])))
+        pending, limit = again, 2.0 * need + 1.0
     return out
 
 
-def _path_segments(idx: _GraphIndex, src: _Place, dst: _Place, last: int,
-                   prev: dict[int, tuple[int, int, float]]) -> list[Segment]:
-    """Segments of the Dijkstra path src -> node ``last`` -> dst."""
-    edges = []
-    v = last
-    while v in prev:
-        u, kind, aux = prev[v]
-        edges.append((u, v, kind, aux))
-        v = u
-    edges.reverse()
+class _Trace:
+    """Path edges of one Dijkstra search, taken as the hand-written search this replaced took them: a node's
+    predecessor is the first node, in the order a binary-heap Dijkstra settles them (by distance, then node id
+    among those queued), whose edge reaches it at exactly its distance (the first such edge of that node)."""
+
+    def __init__(self, idx: _GraphIndex, dist: np.ndarray, first: int, lane_change_cost: float) -> None:
+        self.idx, self.dist, self.first, self.lcc = idx, dist, first, lane_change_cost
+        self.src, self.dst, self.cost, self.change = idx.edge_lists
+        self.pred: dict[int, int] = {}
+        self.rank: dict[float, dict[int, int]] = {}
+
+    def _arrival(self, e: int) -> float:
+        """Distance at which edge ``e`` reaches its end node (the sum in the order the search adds it up)."""
+        d = float(self.dist[self.src[e]]) + self.cost[e]
+        return d + self.lcc if self.change[e] else d
+
+    def _settle_order(self, d: float) -> dict[int, int]:
+        """{node: rank} of the nodes at distance exactly ``d`` in the order the heap settles them: queued once an
+        edge reaches them at ``d`` (from a nearer node, or from one settled before them at ``d``), then by id."""
+        if d not in self.rank:
+            group = np.flatnonzero(self.dist == d).tolist()
+            members = set(group)
+            queue = [self.first] if self.first in members else []
+            queue += [v for v in group if v != self.first and any(
+                self.dist[self.src[e]] < d and self._arrival(e) == d for e in self.idx.edges_in[v])]
+            heapq.heapify(queue)
+            rank: dict[int, int] = {}
+            while queue:
+                u = heapq.heappop(queue)
+                if u in rank:
+                    continue
+                rank[u] = len(rank)
+                for e in self.idx.edges_out[u]:
+                    v = self.dst[e]
+                    if v in members and v not in rank and self._arrival(e) == d:
+                        heapq.heappush(queue, v)
+            self.rank[d] = rank
+        return self.rank[d]
+
+    def _pred_edge(self, v: int) -> int:
+        if v not in self.pred:
+            dv = float(self.dist[v])
+            tight = [e for e in self.idx.edges_in[v] if self._arrival(e) == dv]
+            if len(tight) == 1:  # the only edge that queued it at its distance: its source settled first
+                self.pred[v] = tight[0]
+                return tight[0]
+            near = min(float(self.dist[self.src[e]]) for e in tight)
+            tight = [e for e in tight if float(self.dist[self.src[e]]) == near]
+            if near < dv and len({self.src[e] for e in tight}) == 1:
+                self.pred[v] = min(tight)
+            else:
+                rank = self._settle_order(near)
+                before = [e for e in tight if near < dv or rank[self.src[e]] < rank[v]]
+                self.pred[v] = min(before, key=lambda e: (rank[self.src[e]], e))
+        return self.pred[v]
+
+    def edges_to(self, last: int) -> list[int]:
+        """Edge ids of the path from the search's first node to ``last``."""
+        edges = []
+        v, only, src = last, self.idx.only_edge_in, self.src
+        while v != self.first:
+            e = only[v]
+            if e < 0:
+                e = self._pred_edge(v)
+            edges.append(e)
+            v = src[e]
+        edges.reverse()
+        return edges
+
+
+def _path_segments(idx: _GraphIndex, src: _Place, dst: _Place, edges: list[int]) -> list[Segment]:
+    """Segments of the path src -> ``edges`` (planning-graph edge ids) -> dst."""
     segs: list[Segment] = []
     lane, s = src.lane, src.s
-    for u, v, kind, aux in edges:
+    for e in edges:
+        kind = int(idx.edge_kind[e])
         if kind == _EDGE_ALONG:
             continue
+        u, v = int(idx.edge_src[e]), int(idx.edge_dst[e])
         su = float(idx.node_s[u])
         segs.append((_SEG_LANE, lane, s, su))
         if kind == _EDGE_SUCC:
             lane, s = int(idx.node_lane[v]), 0.0
         else:
             lane, s = int(idx.node_lane[v]), float(idx.node_s[v])
-            segs.append((_SEG_CHANGE, int(idx.node_lane[u]), su, lane, aux, s))
+            segs.append((_SEG_CHANGE, int(idx.node_lane[u]), su, lane, float(idx.edge_aux[e]), s))
     segs.append((_SEG_LANE, lane, s, dst.s))
     return segs
 
@@ -655,10 +778,11 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
     layer_k = 0
     for k in range(1, len(kps)):
         new: list[tuple[float, list[Segment]] | None] = [None] * len(cands[k])
-        for a, state in enumerate(layer):
-            if state is None:
-                continue
-            legs = _shortest_paths(idx, cands[layer_k][a][0], [c for c, _ in cands[k]], lane_change_cost)
+        live = [a for a, state in enumerate(layer) if state is not None]
+        all_legs = _shortest_paths(idx, [cands[layer_k][a][0] for a in live], [c for c, _ in cands[k]],
+                                   lane_change_cost)
+        for a, legs in zip(live, all_legs):
+            state = layer[a]
             for b, leg in enumerate(legs):
                 if leg is None:
                     continue
@@ -684,7 +808,7 @@ def parse_leaderboard_xml(path: str | Path) -> list[tuple[str, str, np.ndarray]]
     directly under ``<route>``). Raises :class:`RouteError` naming the file (and route id) for a missing file,
     malformed XML, no ``<route>``, a route without waypoints or without id/town, or non-numeric coordinates.
     """
-    path = Path(path)
+    path = Path(data_path(path))  # "data:<dataset>/<file>": a registry file, fetched on first use (envs/data.py)
     if not path.is_file():
         raise RouteError(f"route file {path} does not exist")
     try:

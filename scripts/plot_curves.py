@@ -2,8 +2,8 @@
 
     python scripts/plot_curves.py runs/quick-20250101-120000 [-o curve.png]
 
-Reads the TensorBoard event files under ``<run dir>/tb`` with tensorboard's EventAccumulator and draws with PIL
-(matplotlib is not a dependency): one panel per metric, training curve and, where present, evaluation points.
+Reads the TensorBoard event files under ``<run dir>/tb`` with tensorboard's EventAccumulator and draws with
+matplotlib (Agg, no display): one panel per metric, training curve and, where present, evaluation points.
 """
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ import argparse
 import math
 import sys
 from pathlib import Path
-
-from PIL import Image, ImageDraw, ImageFont
+from typing import Any
 
 PANELS = [
     ("episode return", "charts/episode_return", "eval/return"),
     ("route completion (%)", "charts/episode_route_completion", "eval/route_completion"),
     ("driving score", "charts/episode_driving_score", "eval/driving_score"),
 ]
-TRAIN_COLOUR, EVAL_COLOUR = (31, 119, 180), (214, 39, 40)
-W, H, PAD_L, PAD_R, PAD_T, PAD_B = 900, 260, 70, 20, 30, 40
+TRAIN_COLOUR, EVAL_COLOUR = "#1f77b4", "#d62728"
+W, H = 9.0, 2.6  # inches per panel (100 dpi: 900 x 260 pixels)
 
 
 def load_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -39,17 +38,8 @@ def load_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=10 * mag)
-    start = math.ceil(lo / step) * step
-    return [start + i * step for i in range(int((hi - start) / step) + 1)]
-
-
-def fmt(v: float) -> str:
+def fmt(v: float, _pos: object = None) -> str:
+    """Tick label: 1.5M, 250k, 12."""
     if abs(v) >= 1e6:
         return f"{v / 1e6:g}M"
     if abs(v) >= 1e3:
@@ -57,59 +47,42 @@ def fmt(v: float) -> str:
     return f"{v:g}"
 
 
-def draw_panel(draw: ImageDraw.ImageDraw, top: int, title: str, lines: list[tuple[str, list[tuple[int, float]], tuple]],
-               x_range: tuple[float, float], font: ImageFont.ImageFont) -> None:
-    x0, x1, y0, y1 = PAD_L, W - PAD_R, top + PAD_T, top + H - PAD_B
-    values = [v for _, pts, _ in lines for _, v in pts if math.isfinite(v)]
-    draw.text((PAD_L, top + 8), title, fill=(0, 0, 0), font=font)
-    draw.rectangle([x0, y0, x1, y1], outline=(0, 0, 0))
-    if not values:
-        draw.text((x0 + 10, y0 + 10), "no data", fill=(120, 120, 120), font=font)
-        return
-    lo, hi = min(values), max(values)
-    if hi - lo < 1e-9:
-        lo, hi = lo - 1, hi + 1
-    margin = 0.05 * (hi - lo)
-    lo, hi = lo - margin, hi + margin
-    sx = lambda s: x0 + (s - x_range[0]) / max(x_range[1] - x_range[0], 1e-9) * (x1 - x0)  # noqa: E731
-    sy = lambda v: y1 - (v - lo) / (hi - lo) * (y1 - y0)  # noqa: E731
-    for t in nice_ticks(lo, hi):
-        y = sy(t)
-        draw.line([x0, y, x1, y], fill=(230, 230, 230))
-        draw.line([x0 - 4, y, x0, y], fill=(0, 0, 0))
-        draw.text((5, y - 6), fmt(t), fill=(0, 0, 0), font=font)
-    for t in nice_ticks(*x_range):
-        x = sx(t)
-        draw.line([x, y1, x, y1 + 4], fill=(0, 0, 0))
-        draw.text((x - 10, y1 + 6), fmt(t), fill=(0, 0, 0), font=font)
-    legend_x = x1 - 150
-    for i, (label, pts, colour) in enumerate(lines):
+def draw_panel(ax: Any, title: str, lines: list[tuple[str, list[tuple[int, float]], str]]) -> None:
+    """One metric: each (label, [(step, value)], colour) as a line (with markers when it has few points)."""
+    ax.set_title(title, loc="left", fontsize=9)
+    ax.grid(color="0.9")
+    drawn = False
+    for label, pts, colour in lines:
         pts = [(s, v) for s, v in pts if math.isfinite(v)]
-        xy = [(sx(s), sy(v)) for s, v in pts]
-        if len(xy) > 1:
-            draw.line(xy, fill=colour, width=2)
-        for x, y in xy if len(xy) < 40 else []:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
         if pts:
-            ly = y0 + 8 + 14 * i
-            draw.line([legend_x, ly + 6, legend_x + 20, ly + 6], fill=colour, width=3)
-            draw.text((legend_x + 26, ly), label, fill=(0, 0, 0), font=font)
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=colour, linewidth=1.5, marker="o" if len(pts) < 40 else None, markersize=3,
+                    label=label)
+            drawn = True
+    if drawn:
+        ax.legend(loc="best", fontsize=7)
+    else:
+        ax.text(0.02, 0.85, "no data", transform=ax.transAxes, color="0.5", fontsize=8)
 
 
 def plot(run_dir: Path, out: Path) -> Path:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
     series = load_scalars(run_dir)
     steps = [s for tag, pts in series.items() for s, _ in pts if tag.startswith(("charts/", "eval/"))]
-    x_range = (0.0, float(max(steps) if steps else 1))
-    img = Image.new("RGB", (W, H * len(PANELS) + 30), "white")
-    draw = ImageDraw.Draw(img)
-    font = ImageFont.load_default()
-    for i, (title, train_tag, eval_tag) in enumerate(PANELS):
-        lines = [("train", series.get(train_tag, []), TRAIN_COLOUR), ("eval (mean)", series.get(eval_tag, []), EVAL_COLOUR)]
-        draw_panel(draw, i * H, title, lines, x_range, font)
-    draw.text((W // 2 - 60, H * len(PANELS) + 8), "samples (env steps)", fill=(0, 0, 0), font=font)
-    draw.text((W - 300, H * len(PANELS) + 8), str(run_dir)[-45:], fill=(120, 120, 120), font=font)
+    fig = Figure(figsize=(W, H * len(PANELS) + 0.3), dpi=100, layout="constrained")
+    axes = fig.subplots(len(PANELS), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, train_tag, eval_tag) in zip(axes, PANELS):
+        draw_panel(ax, title, [("train", series.get(train_tag, []), TRAIN_COLOUR),
+                               ("eval (mean)", series.get(eval_tag, []), EVAL_COLOUR)])
+        ax.yaxis.set_major_formatter(FuncFormatter(fmt))
+    axes[-1].set_xlim(0.0, float(max(steps) if steps else 1))
+    axes[-1].xaxis.set_major_formatter(FuncFormatter(fmt))
+    axes[-1].set_xlabel("samples (env steps)")
+    fig.suptitle(str(run_dir)[-60:], fontsize=8, color="0.45", x=0.99, ha="right")
     out.parent.mkdir(parents=True, exist_ok=True)
-    img.save(out)
+    fig.savefig(out)
     return out
 
 

@@ -175,3 +175,39 @@ def test_the_cli_prints_the_typed_config() -> None:
     assert out.returncode == 0, out.stderr
     printed = OmegaConf.create(out.stdout)
     assert printed.env.options.map == "Town01" and printed.env.num_envs == 32
+
+
+def test_hydra_launcher_and_sweeper_choices_are_named() -> None:
+    from carl.config import check_hydra_choices
+
+    assert check_hydra_choices(["hydra/launcher=basic", "hydra/sweeper=basic", "seed=2"]) == {}
+    bad = check_hydra_choices(["hydra/launcher=slurm_nod", "hydra/sweeper=grid"])
+    assert bad["hydra/launcher=slurm_nod"].startswith("hydra/launcher=slurm_nod is unknown; did you mean "
+                                                      "hydra/launcher=slurm_node?")
+    assert "choose one of basic" in bad["hydra/sweeper=grid"] and "conf/hydra/sweeper/" in bad["hydra/sweeper=grid"]
+    with pytest.raises(ConfigError) as err:  # with the other problems of the command line
+        load_config(["hydra/launcher=foo", "ppo.gamma=3"])
+    assert len(err.value.problems) == 2 and "hydra/launcher=foo is unknown" in str(err.value)
+
+
+def test_the_cli_is_hydras_command_line() -> None:
+    """--help: the command's usage, its groups and Hydra's flags; --cfg hydra: Hydra's config (no chdir)."""
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "carl.train", *args], capture_output=True, text=True,
+                              timeout=120, cwd=CONF.parent)
+
+    helped = cli("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("``carl-train`` / ``python -m carl.train``")
+    for text in ("+experiment: ", "hydra/launcher: basic, slurm_node", "--multirun,-m", "--cfg,-c"):
+        assert text in helped.stdout, text
+    shown = cli("--cfg", "hydra", "+experiment=quick")
+    assert shown.returncode == 0, shown.stderr
+    import yaml
+
+    hydra = yaml.safe_load(shown.stdout)["hydra"]  # as written, interpolations unresolved
+    assert hydra["job"]["chdir"] is False and hydra["run"]["dir"].startswith("runs/${experiment}-")
+    assert hydra["sweep"]["subdir"] == "${hydra.job.num}"

@@ -120,3 +120,15 @@ def test_leaderboard_rules_are_the_default_and_carl_rules_an_option() -> None:
     for bench in ("towns", "longest6", "longest6_carla"):
         assert load([f"benchmark={bench}"])["benchmark"]["options"]["rules"] == "leaderboard"
     assert load(["benchmark.options.rules=carl"])["benchmark"]["options"]["rules"] == "carl"
+
+
+def test_hydra_run_dir_is_the_results_folder(tmp_path: Path) -> None:
+    """carl-eval hydra.run.dir=<dir>: the results go under <dir> (out_dir, when given, comes first)."""
+    with pytest.raises(SystemExit) as exc:
+        main([f"hydra.run.dir={tmp_path / 'h'}", "policy=expert", *SHORT])
+    assert exc.value.code == 0
+    assert json.loads((tmp_path / "h" / "summary.json").read_text())["routes"] == 2
+    assert (tmp_path / "h" / "results.json").is_file() and (tmp_path / "h" / ".hydra" / "overrides.yaml").is_file()
+    with pytest.raises(SystemExit) as exc:
+        main([f"hydra.run.dir={tmp_path / 'h2'}", f"out_dir={tmp_path / 'o'}", "policy=random", *SHORT])
+    assert exc.value.code == 0 and (tmp_path / "o" / "summary.json").is_file() and not (tmp_path / "h2").exists()

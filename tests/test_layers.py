@@ -43,6 +43,9 @@ ALLOWED: dict[str, str] = {
     # before it creates the env (the env itself comes from envs.make_env); their errors become clean CLI errors
     "envs.nuplan.cache": "carl-eval prepares the nuPlan scenario cache (Val14), CacheError",
     "envs.nuplan.reader": "carl-eval reads the Val14 split YAML, NuplanDataError",
+    # benchmark data: carl-eval resolves a benchmark's `data:<dataset>/<file>` route file / split yaml (fetched on
+    # first use, docs/data.md) and turns DataError (file, URL, mirror, fix) into a clean CLI error
+    "envs.data": "carl-eval resolves data: references of benchmark configs, DataError",
     # evaluation videos: carl-eval re-drives its worst routes in the built-in simulator and saves their frames
     "envs.sim.recorder": "carl-eval's videos of the worst routes (env=sim only)",
 }

@@ -1,6 +1,5 @@
 """What CaRL's nuPlan reward reads, as the nuPlan env measures it (envs/nuplan/carl_reward.py): hand-computed
 geometry, and the reward's hard constraints and progress bound in the env."""
-import numpy as np
 import pytest
 import torch
 

@@ -62,6 +62,32 @@ def test_config_error_exit_code(tmp_path: Path) -> None:
     bad = run([*TINY, "ppo.minibatch_size=7", f"run_dir={tmp_path / 'x'}"])
     assert bad.returncode == 2
     assert "ppo.minibatch_size=7 must divide the batch" in bad.stderr and "Traceback" not in bad.stderr
+    # an error once Hydra has made the run folder (the env factory cannot be found): no folder is left behind
+    gone = run([*[a for a in TINY if not a.startswith("env.name=")], "env.name=tests.fake_env:nope",
+                f"run_dir={tmp_path / 'y'}"])
+    assert gone.returncode == 2 and "env.name='tests.fake_env:nope' cannot be created" in gone.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_run_folder_precedence_and_working_directory(tmp_path: Path) -> None:
+    """run_dir if given, else hydra.run.dir (default runs/<experiment>-<timestamp>); relative to where the command
+    started, which stays the working directory."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run_in(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "carl.train", *TINY, *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    by_hydra = run_in(tmp_path, "hydra.run.dir=out/h")
+    assert by_hydra.returncode == 0, by_hydra.stderr
+    assert (tmp_path / "out/h/config.yaml").is_file() and (tmp_path / "out/h/.hydra/overrides.yaml").is_file()
+    both = run_in(tmp_path, "run_dir=out/r", "hydra.run.dir=out/h2")
+    assert both.returncode == 0, both.stderr
+    assert (tmp_path / "out/r/last.pt").is_file() and not (tmp_path / "out/h2").exists()
+    default = run_in(tmp_path)
+    assert default.returncode == 0, default.stderr
+    (folder,) = (tmp_path / "runs").glob("default-*")
+    assert (folder / "eval/final.json").is_file() and not (tmp_path / "outputs").exists()
 
 
 def test_sigint_saves_and_exits_zero(tmp_path: Path) -> None:

@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from carl.eval import EvalError
+from envs.data import DATA_PREFIX, DataError, data_path
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 VAL14_GROUP_SIZE = 64  # scenarios simulated together by one nuPlan env (one row each)
 
 
 def _repo_path(path: str) -> str:
-    """A relative data path as given if it exists from the cwd, else relative to the repository root."""
+    """``data:<dataset>/<file>``: that registry file (envs/data.py: the development copy, the cache, or fetched
+    now); a relative data path as given if it exists from the cwd, else relative to the repository root."""
+    if path.startswith(DATA_PREFIX):
+        try:
+            return data_path(path)
+        except DataError as exc:
+            raise EvalError(str(exc)) from None
     p = Path(path)
     if p.is_absolute() or p.exists():
         return str(p)

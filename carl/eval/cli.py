@@ -7,13 +7,16 @@ Usage::
     carl-eval policy=bundles/quick benchmark=longest6 benchmark.towns=[Town01,Town02] out_dir=runs/eval/mine
     carl-eval policy=random benchmark=towns benchmark.num_routes=4 overwrite=true
     carl-eval --cfg policy=expert                     # print the composed config and exit
+    carl-eval hydra.run.dir=runs/eval/mine policy=expert          # results under runs/eval/mine
+    carl-eval -m policy=expert,random benchmark=towns seed=0,1    # a sweep: one folder per job, a summary
 
 ``policy`` is ``expert`` (the backend's rule-based expert, privileged state), ``random`` (uniform actions), a
 training checkpoint (``.pt``) or a bundle directory (``carl-export``); learned policies act deterministically (the
 Beta mean). Benchmarks (``conf/benchmark/*.yaml``) list route groups; each group is one batched env whose rows
 drive all its routes in parallel (longest6: one group per town).
 
-Output folder (``out_dir``, default ``runs/eval/<benchmark>-<policy>``)::
+Output folder (``out_dir``, else ``hydra.run.dir`` if given, else ``runs/eval/<benchmark>-<policy>``; in a sweep,
+``-m``, ``hydra.sweep.dir/<job number>`` with ``sweep_summary.md``/``.json`` beside)::
 
     results.json         Leaderboard 2.0 layout: _checkpoint.records (one per route, written as each finishes)
     summary.json         aggregates (DS, RC, IS, infractions per km, routes = the routes run)
@@ -27,6 +30,7 @@ folder holding results of another policy or benchmark is refused unless ``overwr
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +39,7 @@ import torch
 
 from carl.bundle import BundleError
 from carl.checkpoint import CheckpointError
-from carl.cli import run_command
+from carl.cli import Command, run_command
 from carl.config import ConfigError, compose
 from carl.eval import EvalError
 from carl.eval.benchmarks import resolve_benchmark
@@ -74,8 +78,16 @@ def load(overrides: list[str]) -> dict[str, Any]:
     return data
 
 
-def default_out_dir(bench: str, policy: PolicySource) -> Path:
-    safe = policy.name.replace("/", "-")
+def policy_name(arg: str) -> str:
+    """The display name ``policy=`` gets (:func:`resolve_policy`), without loading it."""
+    if arg in BASELINES:
+        return arg
+    path = Path(arg)
+    return path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
+
+
+def default_out_dir(bench: str, policy: PolicySource | str) -> Path:
+    safe = (policy if isinstance(policy, str) else policy.name).replace("/", "-")
     return Path("runs") / "eval" / f"{bench}-{safe}"
 
 
@@ -123,13 +135,53 @@ def expand_shortcuts(overrides: list[str]) -> list[str]:
     return out
 
 
+class EvalCommand(Command):
+    """``carl-eval`` for :func:`carl.cli.run_command`: results go to ``out_dir``, else ``hydra.run.dir`` if given,
+    else ``runs/eval/<benchmark>-<policy>`` (a sweep: ``hydra.sweep.dir/<job>``)."""
+
+    name = "eval"
+    folder_key = "out_dir"
+    groups = ("benchmark",)
+    schemas = {"eval_schema": EvalConfig}  # noqa: RUF012
+    result_source = "summary.json"
+
+    @property
+    def errors(self) -> dict[type[BaseException], tuple[str, int, str]]:  # type: ignore[override]
+        from envs.maps.lanegraph import MapError
+        from envs.routes import RouteError
+
+        error = ("carl-eval error", 2, "")
+        return {ConfigError: error, EvalError: error, CheckpointError: error, BundleError: error, RouteError: error,
+                MapError: error, KeyboardInterrupt: ("\ninterrupted", 130,
+                                                     "finished routes are in results.json; re-run the same command "
+                                                     "to resume")}
+
+    def load(self, overrides: list[str]) -> dict[str, Any]:
+        return load(overrides)
+
+    def rewrite(self, overrides: list[str]) -> list[str]:
+        return expand_shortcuts(overrides)
+
+    def run(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return run(cfg)
+
+    def default_folder(self, cfg: dict[str, Any]) -> str:
+        return str(default_out_dir(str(cfg["benchmark"].get("name", "benchmark")), policy_name(str(cfg["policy"]))))
+
+    def check(self, cfg: dict[str, Any]) -> list[str]:
+        policy = str(cfg["policy"])
+        if policy in BASELINES or Path(policy).exists():
+            return []
+        return [f"policy={policy}: no such file or folder; use expert, random, a checkpoint .pt or a bundle dir"]
+
+    def holds_run(self, folder: Path) -> bool:
+        return (folder / "results.json").exists()
+
+    def result(self, folder: Path) -> dict[str, Any] | None:
+        summary = folder / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``carl-eval`` command: exit code 0, 2 for bad input (the message names the key or file), 130 on Ctrl-C."""
-    from envs.maps.lanegraph import MapError
-    from envs.routes import RouteError
-
-    error = ("carl-eval error", 2, "")
-    run_command(argv, __doc__, lambda overrides: load(expand_shortcuts(overrides)), run, {
-        ConfigError: error, EvalError: error, CheckpointError: error, BundleError: error, RouteError: error,
-        MapError: error,
-        KeyboardInterrupt: ("\ninterrupted", 130, "finished routes are in results.json; re-run the same command to resume")})
+    run_command(EvalCommand(), argv)

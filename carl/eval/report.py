@@ -1,5 +1,6 @@
-"""Reports of a carl-eval run: ``summary.md`` / ``summary.csv`` tables (one row per policy), the PIL charts
-(``score_per_route.png``, ``infractions.png``) and BEV videos of the worst routes (``videos/<route>.gif``)."""
+"""Reports of a carl-eval run: ``summary.md`` / ``summary.csv`` tables (one row per policy), the matplotlib charts
+(``score_per_route.png``, ``infractions.png``; Agg, no display) and BEV videos of the worst routes
+(``videos/<route>.gif``, PIL)."""
 from __future__ import annotations
 
 import csv
@@ -55,15 +56,15 @@ def write_tables(summaries: dict[str, dict[str, Any]], out_dir: Path, title: str
     (out_dir / "summary.csv").write_text(buf.getvalue())
 
 
-def _font() -> Any:
-    from PIL import ImageFont
+def _figure(width_in: float, height_in: float) -> Any:
+    """A matplotlib Figure drawn by the Agg canvas (no pyplot state, no display needed)."""
+    from matplotlib.figure import Figure
 
-    return ImageFont.load_default()
+    return Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
 
 
 def plot_scores(records: list[dict[str, Any]], path: Path, title: str) -> None:
     """Bar chart: route completion (light) and driving score (dark) per route, by group and route number."""
-    from PIL import Image, ImageDraw
 
     def number(r: dict[str, Any]) -> int:  # route ids end in their number (Town01_3, ..._rand7919_12)
         tail = str(r["route_id"]).rsplit("_", 1)[-1]
@@ -71,47 +72,54 @@ def plot_scores(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
     recs = sorted(records, key=lambda r: (r["carl"]["group"], number(r)))
     n = max(len(recs), 1)
-    bar = max(6, min(24, 900 // n))
-    left, top, bottom, right = 40, 30, 40, 20
-    w, h = left + right + n * bar, 320
-    img = Image.new("RGB", (max(w, 560), h), "white")
-    d = ImageDraw.Draw(img)
-    font = _font()
-    ph = h - top - bottom
-    for v in (0, 25, 50, 75, 100):
-        y = top + ph - ph * v / 100
-        d.line([(left, y), (left + n * bar, y)], fill=(220, 220, 220))
-        d.text((4, y - 6), f"{v:3d}", fill="black", font=font)
-    for i, r in enumerate(recs):
-        x = left + i * bar
-        for key, colour in (("score_route", (170, 200, 235)), ("score_composed", (30, 90, 170))):
-            v = max(0.0, min(100.0, r["scores"][key]))
-            d.rectangle([x + 1, top + ph - ph * v / 100, x + bar - 2, top + ph], fill=colour)
-        if bar >= 12 or i % max(1, 12 // bar) == 0:
-            d.text((x + 1, top + ph + 4), str(number(r)), fill="black", font=font)
-    d.text((left, 8), f"{title}: driving score (dark) and route completion (light) per route", fill="black", font=font)
-    d.text((left, h - 16), "route id (grouped by town)", fill=(90, 90, 90), font=font)
-    img.save(path)
+    fig = _figure(max(5.6, min(24.0, 1.2 + 0.16 * n)), 3.4)
+    ax = fig.add_subplot()
+    x = list(range(len(recs)))
+    clip = lambda v: max(0.0, min(100.0, float(v)))  # noqa: E731
+    ax.bar(x, [clip(r["scores"]["score_route"]) for r in recs], width=0.8, color="#aac8eb",
+           label="route completion")
+    ax.bar(x, [clip(r["scores"]["score_composed"]) for r in recs], width=0.8, color="#1e5aaa", label="driving score")
+    step = max(1, -(-n // 60))  # at most ~60 tick labels
+    ax.set_xticks(x[::step], [str(number(r)) for r in recs][::step], fontsize=7)
+    groups = [r["carl"]["group"] for r in recs]
+    for i in range(1, len(groups)):  # a line between groups (towns), each named above its routes
+        if groups[i] != groups[i - 1]:
+            ax.axvline(i - 0.5, color="0.6", linewidth=0.8)
+    starts = [i for i in range(len(groups)) if i == 0 or groups[i] != groups[i - 1]]
+    if len(starts) > 1:
+        for i, j in zip(starts, starts[1:] + [len(groups)]):
+            ax.text((i + j - 1) / 2, 101, str(groups[i]), ha="center", va="bottom", fontsize=7, color="0.3")
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(0, 100)
+    ax.set_yticks([0, 25, 50, 75, 100])
+    ax.grid(axis="y", color="0.88")
+    ax.set_axisbelow(True)
+    ax.set_xlabel("route id (grouped by town)")
+    ax.set_title(f"{title}: driving score (dark) and route completion (light) per route", fontsize=9,
+                 pad=14 if len(starts) > 1 else 6)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    fig.savefig(path)
 
 
 def plot_infractions(summary: dict[str, Any], path: Path, title: str) -> None:
     """Horizontal bars: infractions per km driven, by type."""
-    from PIL import Image, ImageDraw
-
-    items = [(k, v) for k, v in summary.get("infractions_per_km", {}).items() if k in TABLE_INFRACTIONS]
-    font = _font()
-    row, left, width = 20, 150, 360
-    img = Image.new("RGB", (left + width + 80, 40 + row * max(len(items), 1)), "white")
-    d = ImageDraw.Draw(img)
-    d.text((8, 8), f"{title}: infractions per km ({summary['km']:.2f} km driven)", fill="black", font=font)
-    top = max([v for _, v in items if v is not None] + [1e-9])
-    for i, (name, v) in enumerate(items):
-        y = 30 + i * row
-        d.text((8, y + 3), name, fill="black", font=font)
-        v = v or 0.0
-        d.rectangle([left, y + 2, left + width * v / top, y + row - 4], fill=(200, 70, 60))
-        d.text((left + width * v / top + 4, y + 3), f"{v:.3f}", fill="black", font=font)
-    img.save(path)
+    items = [(k, v or 0.0) for k, v in summary.get("infractions_per_km", {}).items() if k in TABLE_INFRACTIONS]
+    fig = _figure(6.0, 1.0 + 0.28 * max(len(items), 1))
+    ax = fig.add_subplot()
+    names = [k for k, _ in items]
+    values = [v for _, v in items]
+    bars = ax.barh(range(len(items)), values, color="#c8463c")
+    ax.bar_label(bars, [f"{v:.3f}" for v in values], padding=3, fontsize=7)
+    ax.set_yticks(range(len(items)), names, fontsize=7)
+    ax.invert_yaxis()  # first type on top, as in the tables
+    ax.set_xlim(0, 1.18 * max(values, default=0.0) or 1.0)
+    if not items:
+        ax.text(0.5, 0.5, "no infraction types recorded", ha="center", va="center", transform=ax.transAxes,
+                fontsize=8, color="0.4")
+    ax.set_xlabel("per km", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"{title}: infractions per km ({summary['km']:.2f} km driven)", fontsize=9)
+    fig.savefig(path)
 
 
 def record_worst(records: list[dict[str, Any]], bench: Benchmark, policy: PolicySource, device: torch.device,

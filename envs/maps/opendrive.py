@@ -75,6 +75,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from envs import data
 from envs.maps.lanegraph import (
     CONTROL_LIGHT,
     CONTROL_STOP,
@@ -102,7 +103,8 @@ __all__ = [
 
 #: Bumped whenever the loader's output changes, so cached ``.npz`` files are rebuilt.
 #: 2: per-point lane widths; robust lane walks (no repeated end sample).
-LOADER_VERSION = 2
+#: 3: crosswalks that are not convex quads: shapely's minimum rectangle, counter-clockwise from its lowest-x corner.
+LOADER_VERSION = 3
 #: Narrowest per-point lane width stored (m); lanes opening from zero width start at this.
 MIN_POINT_WIDTH = 0.1
 #: Samples closer than this (m) to the previous sample of a piece are dropped.
@@ -395,49 +397,18 @@ def _cluster_axes(headings: dict[Any, float]) -> dict[Any, int]:
 
 
 def _min_area_rect(points: np.ndarray) -> np.ndarray:
-    """Minimum-area bounding rectangle [4, 2] (counter-clockwise) of a 2-D point set."""
+    """Minimum-area bounding rectangle [4, 2] of a 2-D point set (shapely's oriented envelope), counter-clockwise
+    from its corner of lowest x (then y)."""
+    import shapely  # only for crosswalks that are not convex quads
+
     p = np.unique(np.round(points, 6), axis=0)
     if len(p) < 3:
         raise ValueError("degenerate polygon")
-    hull = _convex_hull(p)
-    best, best_area = None, np.inf
-    for a, b in zip(hull, np.roll(hull, -1, axis=0)):
-        e = b - a
-        n = np.linalg.norm(e)
-        if n < 1e-9:
-            continue
-        u = e / n
-        v = np.array([-u[1], u[0]])
-        pu, pv = hull @ u, hull @ v
-        area = (pu.max() - pu.min()) * (pv.max() - pv.min())
-        if area < best_area:
-            best_area = area
-            best = np.array([u * pu.min() + v * pv.min(), u * pu.max() + v * pv.min(),
-                             u * pu.max() + v * pv.max(), u * pu.min() + v * pv.max()])
-    if best is None or best_area < 1e-6:
+    rect = shapely.oriented_envelope(shapely.multipoints(p))
+    if shapely.get_type_id(rect) != 3 or shapely.area(rect) < 1e-6:  # the envelope of collinear points is a line
         raise ValueError("degenerate polygon")
-    return best
-
-
-def _cross2(a: np.ndarray, b: np.ndarray) -> float:
-    """z component of the cross product of two 2-D vectors."""
-    return float(a[0] * b[1] - a[1] * b[0])
-
-
-def _convex_hull(p: np.ndarray) -> np.ndarray:
-    """Andrew's monotone chain; counter-clockwise hull without repeated end point."""
-    p = p[np.lexsort((p[:, 1], p[:, 0]))]
-
-    def half(pts: np.ndarray) -> list[np.ndarray]:
-        h: list[np.ndarray] = []
-        for q in pts:
-            while len(h) >= 2 and _cross2(h[-1] - h[-2], q - h[-2]) <= 0:
-                h.pop()
-            h.append(q)
-        return h
-
-    lower, upper = half(p), half(p[::-1])
-    return np.array(lower[:-1] + upper[:-1])
+    clockwise = shapely.get_coordinates(shapely.normalize(rect))[:4]  # normalize: clockwise from the lowest x, y
+    return np.roll(clockwise[::-1], 1, axis=0)
 
 
 def _to_quad(poly: np.ndarray) -> np.ndarray | None:
@@ -940,21 +911,28 @@ def load_opendrive(path: str | Path, name: str | None = None, spacing: float = 1
 
 # ---------------------------------------------------------------------------------------------- towns + cache
 def default_maps_dir() -> Path | None:
-    """``$CARL_CARLA_MAPS``, else ``<repo>/../shared/data/carla/maps`` if it exists, else None."""
+    """``$CARL_CARLA_MAPS``, else the development copy ``<repo>/../shared/data/carla/maps`` if it exists, else None
+    (:func:`load_town` then fetches the towns of the ``carla-maps`` dataset: envs/data.py)."""
     env = os.environ.get("CARL_CARLA_MAPS")
     if env:
         return Path(env)
-    repo_root = Path(__file__).resolve().parents[2]
-    d = repo_root.parent / "shared" / "data" / "carla" / "maps"
-    return d if d.is_dir() else None
+    root = data.local_root()
+    d = root / "carla" / "maps" if root is not None else None
+    return d if d is not None and d.is_dir() else None
+
+
+def _registry_towns() -> list[str]:
+    return [Path(f.name).stem for f in data.files("carla-maps")]
 
 
 def available_towns(maps_dir: str | Path | None = None) -> list[str]:
-    """Town names (file stems of ``*.xodr``) found in ``maps_dir`` (default: :func:`default_maps_dir`)."""
+    """Town names (file stems of ``*.xodr``) found in ``maps_dir`` (default: :func:`default_maps_dir`); without
+    ``maps_dir`` or ``$CARL_CARLA_MAPS`` also the towns :func:`load_town` fetches on first use."""
     d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
-    if d is None or not d.is_dir():
-        return []
-    return sorted(p.stem for p in d.glob("*.xodr"))
+    found = sorted(p.stem for p in d.glob("*.xodr")) if d is not None and d.is_dir() else []
+    if maps_dir is None and not os.environ.get("CARL_CARLA_MAPS"):
+        found = sorted(set(found) | set(_registry_towns()))
+    return found
 
 
 def _cache_dir() -> Path:
@@ -965,18 +943,30 @@ def _cache_dir() -> Path:
 def load_town(town: str, maps_dir: str | Path | None = None, cache_dir: str | Path | None = None) -> LaneGraph:
     """Load a CARLA town (``"Town01"`` ...) as a :class:`LaneGraph`, via a compiled ``.npz`` cache.
 
-    ``maps_dir`` defaults to :func:`default_maps_dir`. The cache lives in ``cache_dir`` (default
-    ``$CARL_MAP_CACHE`` or ``~/.cache/carl/maps``) as ``<town>-<sha256(xodr)[:16]>.npz``; a cache written by
-    another format or loader version, or an unreadable one, is rebuilt.
+    The file comes from ``maps_dir`` or ``$CARL_CARLA_MAPS`` when given, else from the ``carla-maps`` dataset
+    (:func:`envs.data.data_file`: the development copy, the data cache, or fetched on first use). The compiled
+    graph is cached in ``cache_dir`` (default ``$CARL_MAP_CACHE`` or ``~/.cache/carl/maps``) as
+    ``<town>-<sha256(xodr)[:16]>.npz``; a cache written by another format or loader version, or an unreadable one,
+    is rebuilt.
     """
-    d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
-    if d is None or not d.is_dir():
-        raise MapError(f"town {town!r}: CARLA maps directory {d if d is not None else '(none)'} not found; set "
-                       "CARL_CARLA_MAPS to a folder of <Town>.xodr files or pass maps_dir")
-    path = d / f"{town}.xodr"
-    if not path.is_file():
-        raise MapError(f"unknown town '{town}': no {path.name} in {d}; available: "
-                       f"{', '.join(available_towns(d)) or '(none)'}")
+    if maps_dir is None and not os.environ.get("CARL_CARLA_MAPS"):
+        if town not in _registry_towns():
+            raise MapError(f"unknown town '{town}': not a CARLA town of the carla-maps dataset; available: "
+                           f"{', '.join(available_towns())}; set CARL_CARLA_MAPS to a folder of <Town>.xodr files "
+                           "(or env.options.map to an .xodr path) for other maps")
+        try:
+            path = data.data_file("carla-maps", f"{town}.xodr")
+        except data.DataError as exc:
+            raise MapError(f"town {town!r}: {exc}") from None
+    else:
+        d = Path(maps_dir) if maps_dir is not None else default_maps_dir()
+        if d is None or not d.is_dir():
+            raise MapError(f"town {town!r}: CARLA maps directory {d if d is not None else '(none)'} not found; set "
+                           "CARL_CARLA_MAPS to a folder of <Town>.xodr files or pass maps_dir")
+        path = d / f"{town}.xodr"
+        if not path.is_file():
+            raise MapError(f"unknown town '{town}': no {path.name} in {d}; available: "
+                           f"{', '.join(available_towns(d)) or '(none)'}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else _cache_dir()
     cache_file = cache / f"{town}-{digest}.npz"

@@ -1,16 +1,18 @@
-"""GeoPackage reading and writing with the standard library only (OGC GeoPackage 1.2 binary geometry + WKB).
+"""GeoPackage reading and writing: SQLite with the standard library, WKB with shapely (OGC GeoPackage 1.2).
 
 A GeoPackage is an SQLite file: ``gpkg_contents`` lists the layers, ``gpkg_geometry_columns`` names each layer's
 geometry column and spatial reference id, and every geometry is a *GeoPackage binary* blob: the magic ``b"GP"``,
-a version byte, a flags byte (bit 0 byte order of the header, bits 1-3 the envelope code), the int32 ``srs_id``,
-an envelope of 0/32/48/48/64 bytes (codes 0-4), then standard WKB.
+a version byte, a flags byte (bit 0 byte order of the header, bits 1-3 the envelope code, bit 4 empty), the int32
+``srs_id``, an envelope of 0/32/48/48/64 bytes (codes 0-4), then standard WKB. The header is parsed here (no library
+reads it); the WKB after it is read by ``shapely.from_wkb`` (ISO or extended WKB, either byte order), a whole layer
+in one call.
 
 Geometries decode to numpy:
 
 * Point -> ``[2]``; LineString -> ``[N, 2]``; Polygon -> list of rings ``[N, 2]`` (exterior first);
-* Multi* -> list of the parts above. Z and M ordinates are dropped.
+* Multi* and GeometryCollection -> list of the parts above. Z and M ordinates are dropped.
 
-:func:`write_layer` is the inverse used by the synthetic dataset (no envelope by default).
+:func:`write_layer` is the inverse used by the synthetic dataset (no envelope by default; WKB by ``shapely.to_wkb``).
 """
 from __future__ import annotations
 
@@ -20,17 +22,25 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 ENVELOPE_BYTES = {0: 0, 1: 32, 2: 48, 3: 48, 4: 64}
-WKB_POINT, WKB_LINESTRING, WKB_POLYGON = 1, 2, 3
+WKB_POINT, WKB_LINESTRING, WKB_POLYGON = 1, 2, 3  # WKB geometry type codes (what write_layer writes)
 WKB_MULTIPOINT, WKB_MULTILINESTRING, WKB_MULTIPOLYGON = 4, 5, 6
 
 
 class GeoPackageError(ValueError):
     """A GeoPackage that cannot be read; the message names the file, layer and feature."""
+
+
+class _BadGeometry(GeoPackageError):
+    """Geometry ``index`` of a batch could not be read."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
 
 
 class MissingPackageError(ImportError):
@@ -66,108 +76,177 @@ class Layer:
 
 
 # ---------------------------------------------------------------------------------------------- decoding
-def _decode_wkb(buf: memoryview, pos: int) -> tuple[Any, int]:
-    """Decode one WKB geometry at ``pos``; returns (geometry, position after it)."""
-    order = "<" if buf[pos] == 1 else ">"
-    (code,) = struct.unpack_from(order + "I", buf, pos + 1)
-    pos += 5
-    if code & 0xE0000000:  # EWKB flags (z 0x80000000, m 0x40000000, srid 0x20000000)
-        has_z, has_m = bool(code & 0x80000000), bool(code & 0x40000000)
-        if code & 0x20000000:
-            pos += 4
-        base = code & 0xFF
-    else:  # ISO WKB: 1000s add Z, 2000s add M, 3000s add both
-        base, family = code % 1000, code // 1000
-        has_z, has_m = family in (1, 3), family in (2, 3)
-    dims = 2 + int(has_z) + int(has_m)
-
-    def coords(p: int) -> tuple[np.ndarray, int]:
-        (n,) = struct.unpack_from(order + "I", buf, p)
-        p += 4
-        arr = np.frombuffer(buf, dtype=np.dtype(np.float64).newbyteorder(order), count=n * dims, offset=p)
-        return arr.reshape(n, dims)[:, :2].astype(np.float64), p + 8 * n * dims
-
-    if base == WKB_POINT:
-        xy = np.frombuffer(buf, dtype=np.dtype(np.float64).newbyteorder(order), count=dims, offset=pos)
-        return xy[:2].astype(np.float64), pos + 8 * dims
-    if base == WKB_LINESTRING:
-        return coords(pos)
-    if base == WKB_POLYGON:
-        (nr,) = struct.unpack_from(order + "I", buf, pos)
-        pos += 4
-        rings = []
-        for _ in range(nr):
-            ring, pos = coords(pos)
-            rings.append(ring)
-        return rings, pos
-    if base in (WKB_MULTIPOINT, WKB_MULTILINESTRING, WKB_MULTIPOLYGON, 7):
-        (n,) = struct.unpack_from(order + "I", buf, pos)
-        pos += 4
-        parts = []
-        for _ in range(n):
-            g, pos = _decode_wkb(buf, pos)
-            parts.append(g)
-        return parts, pos
-    raise GeoPackageError(f"unsupported WKB geometry type {code}")
-
-
-def decode_gpkg_geometry(blob: bytes) -> tuple[Any, int]:
-    """Decode a GeoPackage binary geometry: returns (geometry, srs_id). ``None`` geometry for an empty blob."""
-    if blob is None:
-        return None, 0
-    buf = memoryview(blob)
-    if len(buf) < 8 or bytes(buf[:2]) != b"GP":
+def _header(blob: bytes) -> tuple[int, int | None]:
+    """Parse a GeoPackage binary header: (srs_id, offset of the WKB after the envelope; None for an empty
+    geometry). The header is GeoPackage's own (shapely reads the WKB after it, not the header)."""
+    if len(blob) < 8 or blob[:2] != b"GP":
         raise GeoPackageError("not a GeoPackage binary geometry (missing 'GP' magic)")
-    flags = buf[3]
-    order = "<" if flags & 1 else ">"
-    (srs_id,) = struct.unpack_from(order + "i", buf, 4)
+    flags = blob[3]
+    srs_id = int.from_bytes(blob[4:8], "little" if flags & 1 else "big", signed=True)
     env = (flags >> 1) & 7
     if env not in ENVELOPE_BYTES:
         raise GeoPackageError(f"invalid GeoPackage envelope code {env}")
     if flags & 0x10:  # empty geometry flag
-        return None, srs_id
-    geom, _ = _decode_wkb(buf, 8 + ENVELOPE_BYTES[env])
-    return geom, srs_id
+        return srs_id, None
+    start = 8 + ENVELOPE_BYTES[env]
+    if len(blob) <= start:
+        raise GeoPackageError(f"GeoPackage geometry ends inside its header ({len(blob)} bytes, WKB at {start})")
+    return srs_id, start
+
+
+def _from_wkb(wkb: list[bytes]) -> np.ndarray:
+    """shapely geometries of the WKB strings (ISO and extended WKB, either byte order) in one call; an unclosed
+    polygon ring is closed. A string GEOS cannot read, or a curve type, raises :class:`_BadGeometry` naming its
+    index and the reason."""
+    shapely = require("shapely", "reading GeoPackage geometries")
+
+    def one(k: int) -> Any:  # a single string, for the reason it cannot be read
+        try:
+            g = shapely.from_wkb(wkb[k], on_invalid="fix")
+            if g is None:
+                shapely.from_wkb(wkb[k], on_invalid="raise")
+        except NotImplementedError as e:
+            raise _BadGeometry(k, f"unsupported WKB geometry type ({e})") from e
+        except Exception as e:  # noqa: BLE001 - GEOSException and friends: the reason is in the message
+            raise _BadGeometry(k, str(e)) from e
+        if g is None:
+            raise _BadGeometry(k, "unreadable WKB")
+        return g
+
+    try:
+        geoms = shapely.from_wkb(np.array(wkb, dtype=object), on_invalid="fix")
+    except Exception:  # noqa: BLE001 - e.g. NotImplementedError for a curve: one by one to find it
+        geoms = np.array([one(k) for k in range(len(wkb))], dtype=object)
+    for k in np.flatnonzero(shapely.is_missing(geoms)).tolist():
+        one(k)
+    kinds = shapely.get_type_id(geoms)
+    bad = np.flatnonzero((kinds < 0) | (kinds > 7))
+    if len(bad):
+        raise _BadGeometry(int(bad[0]), f"unsupported WKB geometry type {geoms[bad[0]].geom_type}")
+    return geoms
+
+
+def _split_coordinates(geoms: np.ndarray) -> list[np.ndarray]:
+    """xy coordinates [N, 2] of every line or ring in ``geoms`` (Z and M dropped)."""
+    shapely = require("shapely", "reading GeoPackage geometries")
+    if len(geoms) == 0:
+        return []
+    xy = shapely.get_coordinates(geoms)
+    ends = np.cumsum(shapely.get_num_coordinates(geoms)).tolist()
+    return [xy[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+
+def _to_numpy(geoms: np.ndarray) -> list[Any]:
+    """The numpy representation (module docstring) of every shapely geometry in ``geoms`` [G], type by type."""
+    shapely = require("shapely", "reading GeoPackage geometries")
+    out: list[Any] = [None] * len(geoms)
+    kinds = shapely.get_type_id(geoms) if len(geoms) else np.zeros(0, np.int32)
+    points = np.flatnonzero(kinds == 0)
+    if len(points):
+        xy = np.full((len(points), 2), np.nan)  # an empty point is (NaN, NaN), as WKB writes it
+        coords, which = shapely.get_coordinates(geoms[points], return_index=True)
+        xy[which] = coords
+        for k, i in enumerate(points):
+            out[i] = xy[k]
+    lines = np.flatnonzero((kinds == 1) | (kinds == 2))
+    for i, c in zip(lines, _split_coordinates(geoms[lines])):
+        out[i] = c
+    polygons = np.flatnonzero(kinds == 3)
+    if len(polygons):
+        holes = shapely.get_num_interior_rings(geoms[polygons]) > 0
+        plain = polygons[~holes & ~shapely.is_empty(geoms[polygons])]  # the exterior ring is all their coordinates
+        for i, c in zip(plain, _split_coordinates(geoms[plain])):
+            out[i] = [c]
+        rest = polygons[holes | shapely.is_empty(geoms[polygons])]
+        rings, owner = shapely.get_rings(geoms[rest], return_index=True)
+        per: list[list[np.ndarray]] = [[] for _ in rest]
+        for o, c in zip(owner.tolist(), _split_coordinates(rings)):
+            per[o].append(c)
+        for i, r in zip(rest, per):
+            out[i] = r
+    multi = np.flatnonzero((kinds >= 4) & (kinds <= 7))
+    if len(multi):
+        parts, owner = shapely.get_parts(geoms[multi], return_index=True)
+        per = [[] for _ in multi]
+        for o, g in zip(owner, _to_numpy(parts)):
+            per[o].append(g)
+        for i, p in zip(multi, per):
+            out[i] = p
+    return out
+
+
+def decode_gpkg_geometries(blobs: Sequence[bytes | None]) -> tuple[list[Any], list[int]]:
+    """Decode GeoPackage binary geometries in one batch: (geometries, srs_ids). A ``None`` blob or one flagged
+    empty decodes to ``None`` (srs id 0 for a ``None`` blob). A bad blob raises :class:`GeoPackageError` whose
+    ``index`` attribute (when present) is its position in ``blobs``."""
+    srs = [0] * len(blobs)
+    where, wkb = [], []
+    for k, blob in enumerate(blobs):
+        if blob is None:
+            continue
+        if type(blob) is not bytes:
+            if not isinstance(blob, (bytes, bytearray, memoryview)):
+                raise _BadGeometry(k, f"a {type(blob).__name__} where a GeoPackage geometry blob belongs")
+            blob = bytes(blob)
+        try:
+            srs[k], start = _header(blob)
+        except GeoPackageError as e:
+            raise _BadGeometry(k, str(e)) from e
+        if start is not None:
+            where.append(k)
+            wkb.append(blob[start:])
+    geoms: list[Any] = [None] * len(blobs)
+    try:
+        decoded = _to_numpy(_from_wkb(wkb))
+    except _BadGeometry as e:
+        raise _BadGeometry(where[e.index], str(e)) from e
+    for k, g in zip(where, decoded):
+        geoms[k] = g
+    return geoms, srs
+
+
+def decode_gpkg_geometry(blob: bytes | None) -> tuple[Any, int]:
+    """Decode a GeoPackage binary geometry: returns (geometry, srs_id). ``None`` geometry for an empty blob."""
+    if blob is None:
+        return None, 0
+    try:
+        geoms, srs = decode_gpkg_geometries([blob])
+    except _BadGeometry as e:
+        raise GeoPackageError(str(e)) from e
+    return geoms[0], srs[0]
 
 
 # ---------------------------------------------------------------------------------------------- encoding
-def _encode_wkb(geom: Any, kind: int) -> bytes:
-    """Little-endian 2-D WKB for ``kind`` (a WKB_* code) from the numpy representation above."""
-    head = struct.pack("<BI", 1, kind)
+def _to_shapely(geom: Any, kind: int) -> Any:
+    """The shapely geometry of ``kind`` (a WKB_* code) from the numpy representation above (rings are closed)."""
+    shapely = require("shapely", "writing GeoPackage geometries")
     if kind == WKB_POINT:
-        return head + struct.pack("<2d", *np.asarray(geom, np.float64)[:2])
+        return shapely.points(np.asarray(geom, np.float64)[:2])
     if kind == WKB_LINESTRING:
-        a = np.ascontiguousarray(np.asarray(geom, np.float64)[:, :2])
-        return head + struct.pack("<I", len(a)) + a.astype("<f8").tobytes()
+        return shapely.linestrings(np.asarray(geom, np.float64)[:, :2])
     if kind == WKB_POLYGON:
-        out = head + struct.pack("<I", len(geom))
-        for ring in geom:
-            r = np.asarray(ring, np.float64)[:, :2]
-            if not np.allclose(r[0], r[-1]):
-                r = np.vstack([r, r[:1]])
-            out += struct.pack("<I", len(r)) + np.ascontiguousarray(r).astype("<f8").tobytes()
-        return out
+        if len(geom) == 0:
+            return shapely.Polygon()
+        rings = [np.asarray(r, np.float64)[:, :2] for r in geom]
+        return shapely.polygons(rings[0], holes=rings[1:] or None)
     if kind == WKB_MULTIPOLYGON:
-        return head + struct.pack("<I", len(geom)) + b"".join(_encode_wkb(p, WKB_POLYGON) for p in geom)
+        return shapely.multipolygons([_to_shapely(p, WKB_POLYGON) for p in geom])
     if kind == WKB_MULTILINESTRING:
-        return head + struct.pack("<I", len(geom)) + b"".join(_encode_wkb(p, WKB_LINESTRING) for p in geom)
+        return shapely.multilinestrings([_to_shapely(p, WKB_LINESTRING) for p in geom])
     raise GeoPackageError(f"cannot encode WKB type {kind}")
 
 
 def encode_gpkg_geometry(geom: Any, kind: int, srs_id: int, envelope: bool = False) -> bytes:
-    """GeoPackage binary blob (little endian); ``envelope`` adds the 32-byte xy envelope (code 1)."""
+    """GeoPackage binary blob (little endian, 2-D ISO WKB by shapely); ``envelope`` adds the 32-byte xy envelope
+    (code 1)."""
+    shapely = require("shapely", "writing GeoPackage geometries")
+    g = _to_shapely(geom, kind)
     flags = 1 | ((1 << 1) if envelope else 0)
     head = b"GP" + bytes([0, flags]) + struct.pack("<i", srs_id)
     if envelope:
-        pts = _all_points(geom)
-        head += struct.pack("<4d", pts[:, 0].min(), pts[:, 0].max(), pts[:, 1].min(), pts[:, 1].max())
-    return head + _encode_wkb(geom, kind)
-
-
-def _all_points(geom: Any) -> np.ndarray:
-    if isinstance(geom, np.ndarray):
-        return geom.reshape(-1, 2)
-    return np.concatenate([_all_points(g) for g in geom])
+        x0, y0, x1, y1 = shapely.bounds(g)
+        head += struct.pack("<4d", x0, x1, y0, y1)  # GeoPackage order: min x, max x, min y, max y
+    return head + shapely.to_wkb(g, output_dimension=2, byte_order=1, flavor="iso")
 
 
 GEOMETRY_NAMES = {WKB_POINT: "POINT", WKB_LINESTRING: "LINESTRING", WKB_POLYGON: "POLYGON",
@@ -262,22 +341,20 @@ def read_layer(con: sqlite3.Connection, name: str, path: str | Path = "?") -> La
     fid_i = names.index("fid") if "fid" in names else None
     g_i = names.index(geom_col) if geom_col in names else None
     columns = {n: [r[i] for r in rows] for i, n in enumerate(names) if i not in (fid_i, g_i)}
-    geoms = []
-    for k, r in enumerate(rows):
-        if g_i is None:
-            geoms.append(None)
-            continue
+    fid_of = (lambda k: rows[k][fid_i]) if fid_i is not None else (lambda k: k)  # noqa: E731
+    if g_i is None:
+        geoms: list[Any] = [None] * len(rows)
+    else:
         try:
-            geom, blob_srs = decode_gpkg_geometry(r[g_i])
-        except (GeoPackageError, struct.error, ValueError) as e:
-            raise GeoPackageError(f"map file {path}, layer '{name}', feature {r[fid_i] if fid_i is not None else k}: "
-                                  f"bad geometry ({e})") from e
+            geoms, blob_srs = decode_gpkg_geometries([r[g_i] for r in rows])
+        except _BadGeometry as e:
+            raise GeoPackageError(f"map file {path}, layer '{name}', feature {fid_of(e.index)}: bad geometry ({e})"
+                                  ) from e
         # a geometry whose own srs id contradicts its layer's would be placed in the wrong frame without a sound
-        if r[g_i] is not None and blob_srs not in (srs_id, 0, -1):
-            raise GeoPackageError(f"map file {path}, layer '{name}', feature "
-                                  f"{r[fid_i] if fid_i is not None else k}: geometry srs_id {blob_srs} differs from "
-                                  f"the layer's srs_id {srs_id} (gpkg_geometry_columns); re-export the layer in one "
-                                  "CRS")
-        geoms.append(geom)
+        for k, r in enumerate(rows):
+            if r[g_i] is not None and blob_srs[k] not in (srs_id, 0, -1):
+                raise GeoPackageError(f"map file {path}, layer '{name}', feature {fid_of(k)}: geometry srs_id "
+                                      f"{blob_srs[k]} differs from the layer's srs_id {srs_id} "
+                                      "(gpkg_geometry_columns); re-export the layer in one CRS")
     fids = np.array([r[fid_i] for r in rows] if fid_i is not None else range(len(rows)), np.int64)
     return Layer(name=name, srs_id=srs_id, fids=fids, columns=columns, geometries=geoms)

@@ -14,11 +14,13 @@
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy.spatial import cKDTree
 
 from envs.maps.lanegraph import CONTROL_LIGHT, MARK_BROKEN, MARK_SOLID, Lane, LaneGraph, LightGroup, StopLine
 from envs.nuplan.gpkg import require
@@ -38,8 +40,12 @@ class Patch:
 
 
 def polygon_area(ring: np.ndarray) -> float:
-    x, y = ring[:, 0], ring[:, 1]
-    return 0.5 * abs(float(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1))))
+    """Area of a ring (closed or not) by shapely; 0 for fewer than three distinct points."""
+    xy = np.asarray(ring, np.float64)[:, :2]
+    if len(np.unique(xy, axis=0)) < 3:
+        return 0.0
+    shapely = shapely_module()
+    return float(shapely.area(shapely.polygons(xy)))
 
 
 def polyline_length(p: np.ndarray) -> float:
@@ -65,11 +71,7 @@ def build_patch(m: NuplanMap, ego_path: np.ndarray, origin: np.ndarray, light_id
     """The lane graph around ``ego_path`` ([T, 2] global centre positions) and the expert route along it."""
     probe = ego_path[:: max(1, len(ego_path) // 40)]
     probe = np.vstack([probe, ego_path[-1:]])
-    chosen = []
-    for fid, lane in m.lanes.items():
-        d = np.linalg.norm(lane.baseline[:, None, :] - probe[None], axis=-1).min()
-        if d <= radius:
-            chosen.append(fid)
+    chosen = _lanes_near(m, probe, radius)
     if not chosen:
         lo = np.min([ln.baseline.min(0) for ln in m.lanes.values()], 0) if m.lanes else np.zeros(2)
         hi = np.max([ln.baseline.max(0) for ln in m.lanes.values()], 0) if m.lanes else np.zeros(2)
@@ -151,22 +153,75 @@ def build_patch(m: NuplanMap, ego_path: np.ndarray, origin: np.ndarray, light_id
     return Patch(graph=graph, lane_fids=chosen, light_connectors=light_connectors, route=route)
 
 
-def _nearest_lane(lanes: list[Lane], p: np.ndarray, heading: float, prefer: set[int]) -> int:
-    """Lane whose centreline is nearest to ``p`` among those pointing within 60° of ``heading``; ``prefer``
-    (route roadblock lanes) wins ties within 1 m."""
-    best, best_d = 0, np.inf
-    for i, lane in enumerate(lanes):
-        pts = lane.points
-        d = np.linalg.norm(pts - p, axis=1)
-        k = int(d.argmin())
-        seg = pts[min(k + 1, len(pts) - 1)] - pts[max(k - 1, 0)]
-        ang = np.arctan2(seg[1], seg[0])
-        if np.cos(ang - heading) < 0.5:
-            continue
-        dist = d[k] - (1.0 if i in prefer else 0.0)
-        if dist < best_d:
-            best, best_d = i, dist
-    return best
+_BASELINES: dict[int, tuple[weakref.ref, list[str], list[np.ndarray], np.ndarray, Any]] = {}
+
+
+def _baseline_index(m: NuplanMap) -> tuple[list[str], list[np.ndarray], np.ndarray, Any]:
+    """(fids, baselines, lane of every baseline point, KD-tree of the points) of a map, built once per map object."""
+    key = id(m)
+    hit = _BASELINES.get(key)
+    if hit is None or hit[0]() is not m:
+        fids = list(m.lanes)
+        lines = [np.asarray(m.lanes[f].baseline, np.float64) for f in fids]
+        lane_of = np.repeat(np.arange(len(fids)), [len(x) for x in lines])
+        tree = cKDTree(np.concatenate(lines) if lines else np.zeros((0, 2)))
+        hit = (weakref.ref(m, lambda _r, k=key: _BASELINES.pop(k, None)), fids, lines, lane_of, tree)
+        _BASELINES[key] = hit
+    return hit[1:]
+
+
+def _lanes_near(m: NuplanMap, probe: np.ndarray, radius: float) -> list[str]:
+    """fids of the map lanes (in map order) whose baseline has a point within ``radius`` of a ``probe`` point (a
+    KD-tree of the map's baseline points; lanes found within a hair of the radius are measured again exactly)."""
+    fids, lines, lane_of, tree = _baseline_index(m)
+    if not fids:
+        return []
+    hits = tree.query_ball_point(probe, radius + 1e-6)
+    points = np.unique(np.concatenate([np.asarray(h, np.int64) for h in hits]))
+    chosen = []
+    for k in np.unique(lane_of[points]).tolist():
+        if np.linalg.norm(lines[k][:, None, :] - probe[None], axis=-1).min() <= radius:
+            chosen.append(fids[k])
+    return chosen
+
+
+class _LaneLocator:
+    """Nearest-lane queries over a patch's lanes with a KD-tree of their centreline points (``scipy.spatial``)."""
+
+    def __init__(self, lanes: list[Lane]) -> None:
+        self.lanes = lanes
+        self.xy = np.concatenate([lane.points for lane in lanes])
+        self.lane_of = np.repeat(np.arange(len(lanes)), [len(lane.points) for lane in lanes])
+        self.first = np.concatenate([[0], np.cumsum([len(lane.points) for lane in lanes])])
+        self.tree = cKDTree(self.xy)
+        self.reach = float(np.ptp(self.xy, axis=0).max()) + 1.0  # farther than any lane point from any other
+
+    def nearest(self, p: np.ndarray, heading: float, prefer: set[int]) -> int:
+        """Lane whose centreline is nearest to ``p`` among those pointing within 60° of ``heading``; ``prefer``
+        (route roadblock lanes) wins ties within 1 m; lane 0 when no lane points that way. Lanes are looked at
+        within a radius that grows until no lane beyond it could win."""
+        near = float(self.tree.query(p)[0])
+        r = near + 2.0
+        while True:
+            idx = np.sort(np.asarray(self.tree.query_ball_point(p, r), np.int64))
+            d = np.linalg.norm(self.xy[idx] - p, axis=1)
+            lane = self.lane_of[idx]
+            # per lane its nearest point (the first on a tie, as argmin picks), lanes in index order
+            order = np.lexsort((idx, d, lane))
+            head = order[np.concatenate([[True], lane[order][1:] != lane[order][:-1]])]
+            best, best_d = 0, np.inf
+            for i, g, dist in zip(lane[head].tolist(), idx[head].tolist(), d[head].tolist()):
+                pts, k = self.lanes[i].points, g - int(self.first[i])
+                seg = pts[min(k + 1, len(pts) - 1)] - pts[max(k - 1, 0)]
+                if np.cos(np.arctan2(seg[1], seg[0]) - heading) < 0.5:
+                    continue
+                score = dist - (1.0 if i in prefer else 0.0)
+                if score < best_d:
+                    best, best_d = i, score
+            # a lane with no point within r scores more than r - 1
+            if best_d < r - 1.0 - 1e-9 or r > near + self.reach:
+                return best
+            r *= 2.0
 
 
 def expert_route(lanes: list[Lane], fids: list[str], m: NuplanMap, path: np.ndarray, roadblocks: list[str],
@@ -191,7 +246,8 @@ def expert_route(lanes: list[Lane], fids: list[str], m: NuplanMap, path: np.ndar
         k = int(np.linalg.norm(d - pts[0], axis=1).argmin())
         seg = d[min(k + 1, len(d) - 1)] - d[max(k - 1, 0)]
         head = np.array([np.arctan2(seg[1], seg[0])])
-    lane_of = np.array([_nearest_lane(lanes, q, h, prefer) for q, h in zip(pts, head)], np.int64)
+    locator = _LaneLocator(lanes)
+    lane_of = np.array([locator.nearest(q, h, prefer) for q, h in zip(pts, head)], np.int64)
     # extend along the lane centre (and its successors, preferring route roadblocks)
     ext, lane, cur = [], int(lane_of[-1]), pts[-1]
     remaining = extension

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from envs.data import data_path
+
 PLANNING_LIDAR = "MergedPointCloud"
 DURATION_S, OFFSET_S, SUBSAMPLE = 15.0, -3.0, 0.5
 DB_INTERVAL_S = 0.05  # lidar_pc rate of the logs (20 Hz); a scenario frame is DB_INTERVAL_S / SUBSAMPLE apart
@@ -211,7 +213,7 @@ def load_split_yaml(path: str | Path) -> dict:
     from envs.nuplan.gpkg import require
 
     yaml = require("yaml", "reading a scenario split yaml", "pyyaml")
-    path = Path(path)
+    path = Path(data_path(path))  # "data:val14/val14_split.yaml": a registry file, fetched on first use
     if not path.is_file():
         raise NuplanDataError(f"scenario split file {path} does not exist")
     with open(path) as f:

@@ -1,0 +1,83 @@
+"""Evaluation during a training run: the held-out routes periodically and at the end (with the random policy and
+the backend's expert beside it), and the final benchmark at its own conditions."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from carl.eval.loop import evaluate
+from carl.eval.policies import PolicyFactory, expert_factory, random_policy
+from carl.eval.store import write_result
+from carl.monitor import TBLogger, format_eval_table
+from envs.api import BatchedEnv
+
+if TYPE_CHECKING:
+    from carl.config import TrainConfig
+    from carl.policy import CarlPolicy
+
+
+def run_benchmark(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
+    """``carl-eval policy=<run>/best.pt benchmark=<logging.final_benchmark>`` into ``<run>/eval/<benchmark>``."""
+    from carl.eval import cli as carl_eval
+
+    name = cfg.logging.final_benchmark
+    print(f"benchmark {name} (its own conditions) on {run_dir / 'best.pt'}:", flush=True)
+    eval_cfg = carl_eval.load([f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
+                                          f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
+    return carl_eval.run(eval_cfg)
+
+
+class Evaluation:
+    """Held-out evaluation of the training policy (rank 0): periodic, final, and the baselines beside it."""
+
+    def __init__(self, cfg: TrainConfig, is_main: bool, run_dir: Path, policy: CarlPolicy, tb: TBLogger,
+                 build_env: Callable[[int, int], BatchedEnv]) -> None:
+        """``build_env(num_envs, seed)``: the run's env on its held-out routes."""
+        self.cfg, self.is_main, self.run_dir, self.policy, self.tb = cfg, is_main, run_dir, policy, tb
+        self.build_env = build_env
+        self.seed = cfg.seed + 1_000_003
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.logging.eval_episodes > 0 and self.is_main
+
+    def due(self, update: int, num_updates: int) -> bool:
+        every = self.cfg.logging.eval_every
+        return bool(every) and update % every == 0 and update != num_updates
+
+    def make_env(self, n: int) -> BatchedEnv:
+        return self.build_env(n, self.seed)
+
+    def run(self, name: str, update: int, global_step: int) -> dict[str, Any] | None:
+        """Evaluate the policy, write ``eval/<name>.json`` and log it; None where evaluation is off (or not rank 0)."""
+        if not self.enabled:
+            return None
+        lg = self.cfg.logging
+        self.policy.eval()
+        result = evaluate(self.make_env, lambda _env: self.policy.deterministic_action, lg.eval_episodes,
+                          lg.eval_max_steps, self.seed)
+        result.update(update=update, global_step=global_step)
+        write_result(result, self.run_dir / "eval" / f"{name}.json")
+        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return",
+                                                     "closed_loop_score") if k in result}
+        scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
+        self.tb.scalars(scalars, global_step)
+        return result
+
+    def baselines(self, trained: dict[str, Any]) -> None:
+        """The random policy and the backend's expert on the same routes; prints the table."""
+        lg, name = self.cfg.logging, self.cfg.env.name
+        results: dict[str, dict[str, Any]] = {"trained": trained}
+        if lg.final_baselines:
+            factories: dict[str, PolicyFactory] = {"random": random_policy}
+            expert = None if ":" in name else expert_factory(name)
+            if expert is not None:
+                factories["expert"] = expert
+            for who, factory in factories.items():
+                results[who] = evaluate(self.make_env, factory, lg.eval_episodes, lg.eval_max_steps, self.seed)
+            write_result(results, self.run_dir / "eval" / "baselines.json")
+            if expert is None and ":" not in name:
+                print(f"(no expert for env {name!r}: envs.{name}.expert.make_expert not found)")
+        print(f"final evaluation on {lg.eval_episodes} held-out routes:\n{format_eval_table(results)}")
