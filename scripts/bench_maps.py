@@ -21,7 +21,6 @@ is in: copy it into another checkout to compare versions.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sqlite3
 import sys
@@ -130,36 +129,13 @@ def bench_gpkg(features: int, repeat: int) -> None:
     tmp.cleanup()
 
 
-def tiled_map(tiles: int) -> Any:
-    """The synthetic nuPlan map repeated on a ``tiles`` x ``tiles`` grid 600 m apart (ids prefixed per tile)."""
-    from envs.nuplan.nuplan_map import load_map
-    from envs.nuplan.synthetic import write_map
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write_map(Path(tmp) / "map.gpkg")
-        load_map.cache_clear()
-        m = load_map(str(Path(tmp) / "map.gpkg"))
-    load_map.cache_clear()
-    lanes, inter, crosswalks = {}, {}, []
-    for ty in range(tiles):
-        for tx in range(tiles):
-            off, tag = np.array([600.0 * tx, 600.0 * ty]), f"{tx}_{ty}_"
-            for fid, lane in m.lanes.items():
-                lanes[tag + fid] = dataclasses.replace(
-                    lane, fid=tag + fid, baseline=lane.baseline + off, group=tag + lane.group,
-                    polygon=None if lane.polygon is None else [r + off for r in lane.polygon],
-                    exit_lane=lane.exit_lane and tag + lane.exit_lane,
-                    entry_lane=lane.entry_lane and tag + lane.entry_lane)
-            inter.update({tag + k: v and tag + v for k, v in m.roadblock_connector_intersection.items()})
-            crosswalks += [[r + off for r in cw] for cw in m.crosswalks]
-    return dataclasses.replace(m, lanes=lanes, roadblock_connector_intersection=inter, crosswalks=crosswalks)
-
-
 def bench_patch(tiles: int, repeat: int) -> None:
     from envs.nuplan.mapgraph import build_patch
 
     t0 = time.perf_counter()
-    m = tiled_map(tiles)
+    from envs.nuplan.synthetic import tiled_map
+
+    m = tiled_map(tiles, 600.0)
     build_s = time.perf_counter() - t0
     centre = f"{tiles // 2}_{tiles // 2}_"
     paths = [lane.baseline for fid, lane in m.lanes.items() if fid.startswith(centre) and not lane.is_connector]

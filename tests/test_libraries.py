@@ -254,36 +254,12 @@ def test_kd_tree_finds_the_lane_points_brute_force_does(maps: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- nuPlan patches
-def _tiled_map(tiles: int):
-    import dataclasses
-    import tempfile
-
-    from envs.nuplan.nuplan_map import load_map
-    from envs.nuplan.synthetic import write_map
-
-    with tempfile.TemporaryDirectory() as tmp:
-        write_map(Path(tmp) / "map.gpkg")
-        m = load_map(str(Path(tmp) / "map.gpkg"))
-    load_map.cache_clear()
-    lanes = {}
-    for ty in range(tiles):
-        for tx in range(tiles):
-            off, tag = np.array([230.0 * tx, 230.0 * ty]), f"{tx}_{ty}_"
-            for fid, lane in m.lanes.items():
-                lanes[tag + fid] = dataclasses.replace(
-                    lane, fid=tag + fid, baseline=lane.baseline + off, group=tag + lane.group,
-                    polygon=None if lane.polygon is None else [r + off for r in lane.polygon],
-                    exit_lane=lane.exit_lane and tag + lane.exit_lane,
-                    entry_lane=lane.entry_lane and tag + lane.entry_lane)
-    inter = {f"{tx}_{ty}_{k}": v for tx in range(tiles) for ty in range(tiles)
-             for k, v in m.roadblock_connector_intersection.items()}
-    return dataclasses.replace(m, lanes=lanes, roadblock_connector_intersection=inter)
-
-
 def test_patch_lanes_and_expert_lanes_match_brute_force() -> None:
     from envs.nuplan import mapgraph
 
-    m = _tiled_map(3)
+    from envs.nuplan.synthetic import tiled_map
+
+    m = tiled_map(3, 230.0)
     rng = np.random.default_rng(0)
     fids = list(m.lanes)
     for trial in range(40):

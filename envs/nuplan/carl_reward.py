@@ -89,6 +89,7 @@ class CarlNuplanReward(StepHook):
     def bind(self, env: NuplanEnv) -> None:
         super().bind(env)
         self.on = env.cfg.reward.mode == "carl_nuplan"
+        self.last_hard: dict[str, Tensor] = {}  # this step's hard constraints, for the termination reasons
         if not self.on:
             return
         dev, sc = env.device, env.scenarios
@@ -96,6 +97,7 @@ class CarlNuplanReward(StepHook):
         self.drivable = [t.to(dev) if isinstance(t, Tensor) else t for t in edge_table([s.carl_drivable for s in sc])]
         self.route = [t.to(dev) if isinstance(t, Tensor) else t for t in edge_table([s.route_polygons for s in sc])]
         self.has_drivable = torch.tensor([len(s.carl_drivable) > 0 for s in sc], device=dev)
+        self.all_drivable = bool(self.has_drivable.all())  # else some scenarios fall back to the lanes
         self.state: NuplanRewardState | None = None
 
     def _alloc(self, s: NuplanState) -> None:
@@ -137,7 +139,7 @@ class CarlNuplanReward(StepHook):
         return terms.reward.to(s.ego_speed.dtype), ends
 
     def episode_info(self, s: NuplanState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
-        if not self.on or not hasattr(self, "last_hard"):
+        if not self.last_hard:
             return {}
         return {f"episode/termination/carl_{k}": (done & ~truncated & v.bool()).float()
                 for k, v in self.last_hard.items()}
@@ -153,9 +155,10 @@ class CarlNuplanReward(StepHook):
         corners = box_corners(centre.float(), s.ego_yaw, half)  # [B, 4, 2] scenario frame
         edges, owner, n_poly = self.drivable
         inside = points_in_polygons(corners, edges[s.scenario], owner[s.scenario], n_poly)
-        # a scenario cached without polygons: a corner is off the road when it is on no lane
-        _, _, _, c_found, _ = lane_lookup(w, box_corners(s.ego_xy, s.ego_yaw, half))
-        off_road = torch.where(self.has_drivable[s.scenario], ~inside.all(-1), ~c_found.all(-1))
+        off_road = ~inside.all(-1)
+        if not self.all_drivable:  # a scenario cached without polygons: off the road = a corner on no lane
+            _, _, _, c_found, _ = lane_lookup(w, box_corners(s.ego_xy, s.ego_yaw, half))
+            off_road = torch.where(self.has_drivable[s.scenario], off_road, ~c_found.all(-1))
         lane, lateral, _, found, width = lane_lookup(w, s.ego_xy)
         on_lane = found & ~w.lane_junction[lane]
         limit = torch.where(found, w.lane_speed[lane], torch.full_like(s.ego_speed, float("nan")))

@@ -340,3 +340,31 @@ if __name__ == "__main__":  # python -m envs.nuplan.synthetic <root> [num_logs]
     out = make_synthetic_dataset(sys.argv[1] if len(sys.argv) > 1 else "data/nuplan_synthetic",
                                  int(sys.argv[2]) if len(sys.argv) > 2 else 3)
     print(f"synthetic nuPlan dataset written to {out}")
+
+
+def tiled_map(tiles: int, spacing: float) -> Any:
+    """The synthetic map repeated on a ``tiles`` x ``tiles`` grid ``spacing`` metres apart, ids prefixed per tile: a
+    large map for timing and checking map queries (``scripts/bench_maps.py``, ``tests/test_libraries.py``)."""
+    import dataclasses
+    import tempfile
+
+    from envs.nuplan.nuplan_map import load_map
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_map(Path(tmp) / "map.gpkg")
+        load_map.cache_clear()
+        m = load_map(str(Path(tmp) / "map.gpkg"))
+    load_map.cache_clear()
+    lanes, inter, crosswalks = {}, {}, []
+    for ty in range(tiles):
+        for tx in range(tiles):
+            off, tag = np.array([spacing * tx, spacing * ty]), f"{tx}_{ty}_"
+            for fid, lane in m.lanes.items():
+                lanes[tag + fid] = dataclasses.replace(
+                    lane, fid=tag + fid, baseline=lane.baseline + off, group=tag + lane.group,
+                    polygon=None if lane.polygon is None else [r + off for r in lane.polygon],
+                    exit_lane=lane.exit_lane and tag + lane.exit_lane,
+                    entry_lane=lane.entry_lane and tag + lane.entry_lane)
+            inter.update({tag + k: v and tag + v for k, v in m.roadblock_connector_intersection.items()})
+            crosswalks += [[r + off for r in cw] for cw in m.crosswalks]
+    return dataclasses.replace(m, lanes=lanes, roadblock_connector_intersection=inter, crosswalks=crosswalks)
