@@ -262,18 +262,10 @@ def sha256_file(path: str | Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Export
+# TorchScript and ONNX: quiet
 # ------------------------------------------------------------------------------------------------------------------
-def _example_inputs(policy: CarlPolicy, batch: int, bev_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    c, h, w = policy.obs_shapes[OBS_BEV]
-    bev = torch.randint(0, 256, (batch, c, h, w), generator=gen, dtype=torch.uint8)
-    meas = torch.randn(batch, policy.obs_shapes[OBS_MEASUREMENTS][0], generator=gen)
-    return (bev if bev_dtype == "uint8" else bev.float()), meas
-
-
 @contextlib.contextmanager
-def _quiet_export() -> Any:
+def quiet_export() -> Any:
     """Silence the exporters' deprecation warnings and optional-dependency log lines (torchvision ops)."""
     loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
     levels = [lg.level for lg in loggers]
@@ -288,68 +280,6 @@ def _quiet_export() -> Any:
                 lg.setLevel(level)
 
 
-def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: Path, exporter: str = "dynamo",
-                opset: int = 18) -> None:
-    """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
-    if exporter == "dynamo":
-        batch = torch.export.Dim("batch")
-        program = torch.onnx.export(actor, example, input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
-                                    dynamic_shapes={"bev": {0: batch}, "measurements": {0: batch}}, dynamo=True,
-                                    opset_version=opset, verbose=False)
-        program.save(str(path))
-    elif exporter == "torchscript":
-        axes = {name: {0: "batch"} for name in (*ONNX_INPUTS, *ONNX_OUTPUTS)}
-        torch.onnx.export(actor, example, str(path), input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
-                          dynamic_axes=axes, dynamo=False, opset_version=min(opset, 17))
-    else:
-        raise ValueError(f"onnx exporter {exporter!r}: use 'dynamo' or 'torchscript'")
-
-
-def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = "uint8", onnx: bool = True,
-                  onnx_exporter: str = "dynamo", overwrite: bool = False) -> dict[str, Any]:
-    """Checkpoint -> bundle directory (see the module docstring); returns the spec written to ``spec.json``."""
-    from omegaconf import OmegaConf
-    from safetensors.torch import save_file
-
-    if bev_dtype not in ("uint8", "float32"):
-        raise ValueError(f"bev_dtype={bev_dtype!r}: use uint8 or float32")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise BundleError(f"bundle folder {out} is not empty; pick another folder or pass overwrite=true")
-        for name in FILES.values():  # no stale file of an earlier export may survive next to the new spec
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    policy, ckpt = policy_from_checkpoint(checkpoint, "cpu")
-    policy = policy.float()
-    config = ckpt.get("config") or {}
-    actor = Actor(policy).eval()
-    example = _example_inputs(policy, 2, bev_dtype)
-
-    state = {k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()}
-    save_file(state, str(out / FILES["weights"]), metadata={"format": BUNDLE_FORMAT, "carl_version": carl_version()})
-    with _quiet_export():
-        with torch.no_grad():
-            traced = torch.jit.trace(actor, example)
-        traced.save(str(out / FILES["torchscript"]))
-        if onnx:
-            try:
-                export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
-            except ImportError as exc:
-                raise BundleError(f"ONNX export needs the export extra ({exc}): pip install -e '.[export]', "
-                                  "or pass onnx=false") from None
-    OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
-
-    source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
-              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
-    spec = make_spec(policy, config, source, bev_dtype)
-    if not onnx:
-        spec["files"].pop("onnx")
-    spec["sha256"] = {name: sha256_file(out / name) for name in spec["files"].values()}
-    (out / FILES["spec"]).write_text(json.dumps(spec, indent=2) + "\n")
-    return spec
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------------------------
@@ -360,13 +290,19 @@ def read_spec(bundle: str | Path) -> dict[str, Any]:
         raise BundleError(f"{bundle} is not a policy bundle: {path.name} is missing (export one with carl-export)")
     try:
         spec = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc})") from None
-    if spec.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{path} is not a carl policy bundle (format {spec.get('format')!r})")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc}); export the bundle again with carl-export") from None
+    if not isinstance(spec, dict) or spec.get("format") != BUNDLE_FORMAT:
+        found = spec.get("format") if isinstance(spec, dict) else type(spec).__name__
+        raise BundleError(f"{path} is not a carl policy bundle (format {found!r})")
     if spec.get("bundle_version") != BUNDLE_VERSION:
         raise BundleError(f"{path} has bundle version {spec.get('bundle_version')}, this code reads version "
                           f"{BUNDLE_VERSION}; re-export it with this carl version")
+    model = spec.get("model")
+    if not isinstance(spec.get("files"), dict) or not isinstance(model, dict) or \
+            not isinstance(model.get("signature"), dict) or "obs_shapes" not in model["signature"]:
+        raise BundleError(f"{path} is incomplete (needs files and model.signature.obs_shapes); export the bundle "
+                          "again with carl-export")
     return spec
 
 
@@ -384,18 +320,40 @@ def action_names(spec: dict[str, Any]) -> tuple[str, ...]:
     return names or ACTIONS
 
 
+def bundle_file(bundle: Path, spec: dict[str, Any], kind: str) -> Path:
+    """The path of the bundle's ``kind`` file (weights, torchscript, onnx), checked against the sha256 that
+    ``spec.json`` records, so a truncated, swapped or damaged file is named before anything reads it."""
+    name = (spec.get("files") or {}).get(kind)
+    if name is None:
+        raise BundleError(f"bundle {bundle} has no {kind} file (spec.json lists {sorted(spec.get('files') or {})})")
+    path = bundle / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise BundleError(f"bundle {bundle}: spec.json names {kind} file {name!r} outside the bundle folder")
+    if not path.is_file():
+        raise BundleError(f"bundle {bundle} lacks {name}; export it again with carl-export")
+    want = (spec.get("sha256") or {}).get(name)
+    if want is not None and sha256_file(path) != want:
+        raise BundleError(f"bundle {bundle}: {name} does not match the sha256 in spec.json (damaged or replaced "
+                          "after export); export it again with carl-export")
+    return path
+
+
 def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     spec = read_spec(bundle)
-    weights = bundle / spec["files"]["weights"]
-    if not weights.is_file():
-        raise BundleError(f"bundle {bundle} lacks {weights.name}")
+    weights = bundle_file(bundle, spec, "weights")
     signature = spec["model"]["signature"]
     where = f"bundle {bundle}"
     policy = build_policy(signature["obs_shapes"], spec["model"], where, signature.get("layout"))
     _check_signature(policy, signature, where)
-    _load_weights(policy, load_file(str(weights)), where)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise BundleError(f"bundle {bundle}: {weights.name} is not a safetensors file ({exc}); export it again with "
+                          "carl-export") from None
+    _load_weights(policy, state, where)
     return policy.to(device).eval()
 
 
@@ -445,8 +403,13 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
         if backend == "torch":
             return LoadedPolicy(spec, device, deterministic, actor=Actor(_policy_from_bundle(path, device))), spec
         if backend == "torchscript":
-            with _quiet_export():
-                actor = torch.jit.load(str(path / spec["files"]["torchscript"]), map_location=device).eval()
+            script = bundle_file(path, spec, "torchscript")
+            try:
+                with quiet_export():
+                    actor = torch.jit.load(str(script), map_location=device).eval()
+            except RuntimeError as exc:
+                raise BundleError(f"bundle {path}: {script.name} is not a TorchScript archive "
+                                  f"({str(exc).strip().splitlines()[0]}); export it again with carl-export") from None
             return LoadedPolicy(spec, device, deterministic, actor=actor), spec
         if backend == "onnx":
             try:
@@ -455,7 +418,12 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
                 raise BundleError("backend=onnx needs onnxruntime: pip install -e '.[export]'") from None
             if "onnx" not in spec["files"]:
                 raise BundleError(f"bundle {path} was exported without ONNX")
-            session = ort.InferenceSession(str(path / spec["files"]["onnx"]), providers=["CPUExecutionProvider"])
+            graph = bundle_file(path, spec, "onnx")
+            try:
+                session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's own error types
+                raise BundleError(f"bundle {path}: {graph.name} is not an ONNX model ({str(exc).splitlines()[0]}); "
+                                  "export it again with carl-export") from None
             return LoadedPolicy(spec, device, deterministic, session=session), spec
         raise ValueError(f"backend={backend!r}: use torch, torchscript or onnx")
     if not path.exists():
@@ -493,5 +461,5 @@ def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch:
     return diffs
 
 
-__all__ = ["Actor", "BundleError", "LoadedPolicy", "action_names", "check_bundle", "export_bundle", "load_policy",
+__all__ = ["Actor", "BundleError", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
            "observation_layout", "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from carl import config, sweep
+from carl import config, runlock, sweep
 from carl.config import CONF_DIR, ConfigError
 
 # exit codes of the jobs run in this process (one run, or the basic launcher's jobs), in order
@@ -64,6 +64,7 @@ class Command:
     schemas: dict[str, type] | None = None  # ConfigStore entries for conf/<name>.yaml (None: carl.config's)
     errors: dict[type[BaseException], tuple[str, int, str]] = {}  # noqa: RUF012 - read-only table
     result_source = ""  # where a run folder keeps the final evaluation (sweep summary); "" = no summary
+    locks_folder = False  # the run holds its folder (carl.runlock): a folder another process holds is refused
 
     @property
     def doc(self) -> str:
@@ -262,7 +263,9 @@ def _run_folder(command: Command, cfg: Any, overrides: list[str], h: Any,
     if _rank() > 0:  # a torchrun rank other than 0: rank 0 owns the folder and Hydra's record
         return folder, [*pinned, "hydra.output_subdir=null"]
     problems += command.check(cfg)
-    if command.refuses(cfg) and command.holds_run(folder):
+    if command.locks_folder and (busy := runlock.holder(folder)) is not None and not getattr(cfg, "lock_wait_s", 0):
+        problems.append(str(runlock.busy(folder, busy, "resume" if getattr(cfg, "resume", None) else key)))
+    elif command.refuses(cfg) and command.holds_run(folder):
         problems.append(f"{key}={folder} already holds a run; continue it with resume={folder} or pick another "
                         f"{command.folder_key}=")
     if h.output_subdir is not None and (folder / str(h.output_subdir)).exists():  # keep the earlier record

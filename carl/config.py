@@ -151,6 +151,9 @@ class TrainConfig:
     seed: int = 1
     run_dir: str | None = None
     resume: str | None = None
+    # seconds to wait while another process holds the run folder before refusing (carl/runlock.py); e.g. 120 for a
+    # SLURM job requeued while its predecessor still saves its last checkpoint
+    lock_wait_s: float = 0.0
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -192,10 +195,11 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for backend in envs.BACKENDS:
-        cs.store(group="env", name=f"{backend}_schema", node=env_schema(backend))
-    cs.store(group="env", name="custom_schema", node=EnvConfig)
+    if "train_schema.yaml" not in cs.repo:  # storing converts every dataclass again (~0.3 s): once per process
+        cs.store(name="train_schema", node=TrainConfig)
+        for backend in envs.BACKENDS:
+            cs.store(group="env", name=f"{backend}_schema", node=env_schema(backend))
+        cs.store(group="env", name="custom_schema", node=EnvConfig)
     try:  # the commands' --help text (conf/*.yaml select hydra/help: carl); carl.cli stores the command's own
         cs.load("hydra/help/carl.yaml")
     except Exception:  # noqa: BLE001 - not stored yet
@@ -367,7 +371,7 @@ def _compose(overrides: list[str], config_name: str, schemas: dict[str, type] | 
     checks = Checks()
     good, problems = check_overrides(overrides, base, groups)  # the bad ones are left out of the composition
     checks.problems += problems
-    bad_choices = check_hydra_choices(overrides)
+    bad_choices = check_choices(overrides, groups)
     checks.problems += bad_choices.values()
     good = [o for o in good if o not in bad_choices]
     GlobalHydra.instance().clear()
@@ -421,13 +425,32 @@ def hydra_options(group: str) -> list[str]:
     return sorted(options)
 
 
-def check_hydra_choices(overrides: list[str]) -> dict[str, str]:
-    """``hydra/launcher=<name>`` and ``hydra/sweeper=<name>``: an unknown name, or one whose plugin package is not
-    installed -> the problem, naming the fix (override -> problem)."""
+def group_options(group: str) -> list[str]:
+    """The presets of one of our config groups (``conf/<group>/*.yaml``)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _unknown_choice(key: str, name: str, options: list[str], where: str) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return (f"{key}={name} is unknown; " + (f"did you mean {key}={close[0]}? " if close else "")
+            + f"choose one of {', '.join(options)} ({where})")
+
+
+def check_choices(overrides: list[str], groups: tuple[str, ...] = ()) -> dict[str, str]:
+    """Selections of a config group that cannot be composed -> the problem naming the choices there are (override ->
+    problem): our groups (``benchmark=``, ``env=``, ``+experiment=``...; presets in ``conf/<group>/``), and
+    ``hydra/launcher=`` / ``hydra/sweeper=``, where a known name may also need its plugin package."""
     problems = {}
     for o in overrides:
         key, _, name = o.lstrip("+~").partition("=")
-        if key not in HYDRA_PLUGINS or not name:
+        if not name or name == "null":
+            continue
+        if key in groups:
+            options = group_options(key)
+            if name not in options:
+                problems[o] = _unknown_choice(o.partition("=")[0], name, options, f"presets: conf/{key}/")
+            continue
+        if key not in HYDRA_PLUGINS:
             continue
         options = hydra_options(key)
         preset = CONF_DIR / key / f"{name}.yaml"
@@ -436,9 +459,7 @@ def check_hydra_choices(overrides: list[str]) -> dict[str, str]:
             problems[o] = (f"{key}={name} needs the {HYDRA_PLUGINS[key][base]} package (not installed): "
                            "pip install -e '.[sweep]' (make dev installs it)")
         elif name not in options:
-            close = difflib.get_close_matches(name, options, n=1)
-            problems[o] = (f"{key}={name} is unknown; " + (f"did you mean {key}={close[0]}? " if close else "")
-                           + f"choose one of {', '.join(options)} (presets: conf/{key}/)")
+            problems[o] = _unknown_choice(key, name, options, f"presets: conf/{key}/")
     return problems
 
 
@@ -489,6 +510,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     checks = Checks()
     _require = checks.need
     _require(e.num_envs >= 1, f"env.num_envs={e.num_envs} must be >= 1")
+    _require(cfg.lock_wait_s >= 0, f"lock_wait_s={cfg.lock_wait_s} must be >= 0 (0 = refuse a busy run folder at once)")
     _require(bool(e.name), "env.name is empty; use env=sim (or env.name=package.module:function)")
     _require(p.num_steps >= 1, f"ppo.num_steps={p.num_steps} must be >= 1")
     _require(p.total_timesteps >= 1, f"ppo.total_timesteps={p.total_timesteps} must be >= 1")
@@ -559,18 +581,51 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         v = getattr(lg, k)
         _require(v >= 0, f"logging.{k}={v} must be >= 0 (0 = off)")
     if lg.final_benchmark is not None:
-        benches = sorted(f.stem for f in (CONF_DIR / "benchmark").glob("*.yaml"))
+        benches = group_options("benchmark")
         _require(lg.final_benchmark in benches, f"logging.final_benchmark={lg.final_benchmark!r} is not a benchmark; "
                  f"use one of {', '.join(benches)} (conf/benchmark), or null")
+        if lg.final_benchmark in benches and backend_of(e.name) is not None:
+            mine, theirs = backend_layout(e.name), backend_layout(_benchmark_env(lg.final_benchmark))
+            fits = [b for b in benches if backend_layout(_benchmark_env(b)) == mine]
+            _require(theirs == mine, f"logging.final_benchmark={lg.final_benchmark} drives env "
+                     f"{_benchmark_env(lg.final_benchmark)!r} ({theirs} observations), but this run trains on env "
+                     f"{e.name!r} ({mine} observations); use logging.final_benchmark="
+                     f"{' or '.join(fits) or 'null'}" + (" or null" if fits else ""))
     _require(lg.eval_episodes >= 0, f"logging.eval_episodes={lg.eval_episodes} must be >= 0 (0 = no evaluation)")
     _require(lg.eval_max_steps >= 1, f"logging.eval_max_steps={lg.eval_max_steps} must be >= 1")
     _require(lg.video_max_frames >= 1, f"logging.video_max_frames={lg.video_max_frames} must be >= 1")
+    if p.bootstrap_truncation and backend_of(e.name) is not None:
+        key, keeps = final_obs_option(e.name, e.options)
+        _require(keeps, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
+                        f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
+                        "ppo.bootstrap_truncation=false (CaRL's recipe)")
     if backend_of(e.name) is not None:  # the backend's own checks, on the training and on the evaluation options
         checks.run(envs.check_options, e.name, e.options)
         if e.eval_options:
             checks.run(envs.check_options, e.name, {**e.options, **e.eval_options})
     checks.done()
     return cfg
+
+
+def _benchmark_env(name: str) -> str:
+    """The env backend of benchmark ``conf/benchmark/<name>.yaml`` (its ``env`` key; sim where unset)."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(CONF_DIR / "benchmark" / f"{name}.yaml").get("env", "sim"))
+
+
+def backend_layout(backend: str) -> str:
+    """The observation layout a built-in backend produces (``custom`` for others)."""
+    return envs.BACKEND_LAYOUTS.get(backend, "custom")
+
+
+def final_obs_option(name: str, options: dict[str, Any]) -> tuple[str, bool]:
+    """The ``env.options`` key under which backend ``name`` keeps the final observation of an episode (in
+    ``info["final_obs/<key>"]``), and whether ``options`` turn it on (nuPlan nests the simulator's options)."""
+    if name == "nuplan":
+        sim = options.get("sim") or {}
+        return "sim.keep_final_obs", bool(sim.get("keep_final_obs", False)) if isinstance(sim, dict) else False
+    return "keep_final_obs", bool(options.get("keep_final_obs", False))
 
 
 def cpu_has_bf16() -> bool:

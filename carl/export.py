@@ -19,10 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from carl.bundle import BundleError, check_bundle, export_bundle
+import torch
+
+from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version, check_bundle,
+                         make_spec, policy_from_checkpoint, quiet_export, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError, compose
+from carl.policy import CarlPolicy
+from envs.api import OBS_BEV, OBS_MEASUREMENTS
 
 PARITY_TOL = 1e-4
 
@@ -38,6 +43,79 @@ class ExportConfig:
     onnx_exporter: str = "dynamo"  # dynamo (torch.export) or torchscript (legacy exporter, faster)
     overwrite: bool = False  # replace the files of a non-empty out_dir
     check: bool = True  # compare the exported graphs with the checkpoint on random observations
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Writing a bundle
+# ------------------------------------------------------------------------------------------------------------------
+def _example_inputs(policy: CarlPolicy, batch: int, bev_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    c, h, w = policy.obs_shapes[OBS_BEV]
+    bev = torch.randint(0, 256, (batch, c, h, w), generator=gen, dtype=torch.uint8)
+    meas = torch.randn(batch, policy.obs_shapes[OBS_MEASUREMENTS][0], generator=gen)
+    return (bev if bev_dtype == "uint8" else bev.float()), meas
+
+
+def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: Path, exporter: str = "dynamo",
+                opset: int = 18) -> None:
+    """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
+    if exporter == "dynamo":
+        batch = torch.export.Dim("batch")
+        program = torch.onnx.export(actor, example, input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
+                                    dynamic_shapes={"bev": {0: batch}, "measurements": {0: batch}}, dynamo=True,
+                                    opset_version=opset, verbose=False)
+        program.save(str(path))
+    elif exporter == "torchscript":
+        axes = {name: {0: "batch"} for name in (*ONNX_INPUTS, *ONNX_OUTPUTS)}
+        torch.onnx.export(actor, example, str(path), input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
+                          dynamic_axes=axes, dynamo=False, opset_version=min(opset, 17))
+    else:
+        raise ValueError(f"onnx exporter {exporter!r}: use 'dynamo' or 'torchscript'")
+
+
+def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = "uint8", onnx: bool = True,
+                  onnx_exporter: str = "dynamo", overwrite: bool = False) -> dict[str, Any]:
+    """Checkpoint -> bundle directory (see the module docstring); returns the spec written to ``spec.json``."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    if bev_dtype not in ("uint8", "float32"):
+        raise ValueError(f"bev_dtype={bev_dtype!r}: use uint8 or float32")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise BundleError(f"bundle folder {out} is not empty; pick another folder or pass overwrite=true")
+    policy, ckpt = policy_from_checkpoint(checkpoint, "cpu")  # a bad checkpoint leaves the folder untouched
+    if out.exists():
+        for name in FILES.values():  # no stale file of an earlier export may survive next to the new spec
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = policy.float()
+    config = ckpt.get("config") or {}
+    actor = Actor(policy).eval()
+    example = _example_inputs(policy, 2, bev_dtype)
+
+    state = {k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()}
+    save_file(state, str(out / FILES["weights"]), metadata={"format": BUNDLE_FORMAT, "carl_version": carl_version()})
+    with quiet_export():
+        with torch.no_grad():
+            traced = torch.jit.trace(actor, example)
+        traced.save(str(out / FILES["torchscript"]))
+        if onnx:
+            try:
+                export_onnx(actor, example, out / FILES["onnx"], onnx_exporter)
+            except ImportError as exc:
+                raise BundleError(f"ONNX export needs the export extra ({exc}): pip install -e '.[export]', "
+                                  "or pass onnx=false") from None
+    OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
+
+    source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
+              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
+    spec = make_spec(policy, config, source, bev_dtype)
+    if not onnx:
+        spec["files"].pop("onnx")
+    spec["sha256"] = {name: sha256_file(out / name) for name in spec["files"].values()}
+    (out / FILES["spec"]).write_text(json.dumps(spec, indent=2) + "\n")
+    return spec
 
 
 def load(overrides: list[str]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Everything the user sees while training: phase timers, episode statistics, the progress bar, the per-update
-summary line and TensorBoard scalars/videos.
+summary line, TensorBoard scalars/videos and the BEV video recorder.
 
 Phases (seconds per update): ``env`` (env.step), ``inference`` (policy forward during the rollout), ``update``
 (GAE + gradient steps), ``sync`` (cross-process communication; always 0 with one process), ``eval`` and
@@ -13,10 +13,12 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 import torch
+
+from envs.api import OBS_BEV
 
 PHASES = ("env", "inference", "update", "sync")
 
@@ -216,3 +218,39 @@ def format_eval_table(results: dict[str, dict[str, Any]]) -> str:
             cells.append(f"{v:>12.3f}" if isinstance(v, float) else f"{v!s:>12}")
         lines.append(f"{label:<12}" + "".join(cells))
     return "\n".join(lines)
+
+
+class VideoRecorder:
+    """Records env 0's BEV for one whole episode (starting at its next reset) when armed."""
+
+    def __init__(self, max_frames: int) -> None:
+        self.max_frames = max_frames
+        self.render: Callable[[Any], np.ndarray] | None = None
+        try:
+            from envs.sim.render import bev_to_rgb  # type: ignore[import-not-found]
+
+            self.render = bev_to_rgb
+        except ImportError:
+            pass
+        self.state = "idle"  # idle -> waiting (for env 0's reset) -> recording -> ready
+        self.frames: list[np.ndarray] = []
+        self.update = 0
+
+    def arm(self, update: int) -> None:
+        if self.render is not None and self.state == "idle":
+            self.state, self.frames, self.update = "waiting", [], update
+
+    def on_step(self, obs: dict[str, torch.Tensor], done: torch.Tensor) -> None:
+        if self.state == "recording":
+            self.frames.append(np.asarray(self.render(obs[OBS_BEV][0].cpu().numpy())))  # type: ignore[misc]
+            if bool(done[0]) or len(self.frames) >= self.max_frames:
+                self.state = "ready"
+        elif self.state == "waiting" and bool(done[0]):
+            self.state = "recording"
+            self.frames = [np.asarray(self.render(obs[OBS_BEV][0].cpu().numpy()))]  # type: ignore[misc]
+
+    def take(self) -> np.ndarray | None:
+        if self.state != "ready":
+            return None
+        self.state = "idle"
+        return np.stack(self.frames).astype(np.uint8)

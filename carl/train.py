@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,12 +41,13 @@ from carl.cli import Command, quote, run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.during_training import Evaluation, run_benchmark
 from carl.eval.store import headline
-from carl.monitor import PhaseTimer, ProgressBar, TBLogger, summary_line
+from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
 from carl.policy import CarlPolicy, describe
 from carl.ppo import PPOTrainer
-from envs.api import OBS_BEV, BatchedEnv
+from carl.runlock import RunLock, took_over
+from envs.api import BatchedEnv
 
 
 
@@ -71,7 +72,15 @@ def load_config(overrides: list[str]) -> TrainConfig:
         raise ConfigError(f"resume={resume} reuses the run's config; group selections {groups} are not allowed")
     data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     assert isinstance(data, dict)
-    return config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
+    cfg = config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
+    before = config.from_dict({**data, "resume": resume, "run_dir": resume}, [], world_size)
+    changed = [f"{key}={now} (the run has {was})" for key, was, now in (
+        ("env.name", before.env.name, cfg.env.name), ("env.num_envs", before.env.num_envs, cfg.env.num_envs),
+        *((f"model.{k}", v, getattr(cfg.model, k)) for k, v in vars(before.model).items())) if was != now]
+    if changed:
+        raise ConfigError(f"resume={resume} continues the run's env and model as saved in last.pt, so "
+                          f"{', '.join(changed)} cannot change; start a new run (run_dir=) to change them")
+    return cfg
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -82,18 +91,30 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(dev)
 
 
-def resolve_run_dir(cfg: TrainConfig) -> Path:
-    """``run_dir`` or ``runs/<experiment>-<timestamp>``; refuse a folder that already holds a run unless resuming."""
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """``resume``, else ``run_dir``, else ``runs/<experiment>-<timestamp>``."""
     if cfg.resume:
-        run_dir = Path(cfg.resume)
-        if not (run_dir / "last.pt").is_file():
+        return Path(cfg.resume)
+    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / f"{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def claim_run_dir(cfg: TrainConfig, lock: RunLock) -> Path:
+    """Hold the run folder (:mod:`carl.runlock`: refused while another process trains there), then check it: a
+    resume needs its ``last.pt``, a new run a folder that holds no run."""
+    run_dir = run_dir_of(cfg)
+    previous = lock.acquire(run_dir, "resume" if cfg.resume else "run_dir", cfg.lock_wait_s)
+    try:
+        if cfg.resume and not (run_dir / "last.pt").is_file():
             raise ConfigError(f"resume={cfg.resume}: {run_dir / 'last.pt'} does not exist (nothing to resume)")
-        return run_dir
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("runs") / f"{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (run_dir / "config.yaml").exists() or (run_dir / "last.pt").exists():
-        raise ConfigError(
-            f"run_dir={run_dir} already holds a run; continue it with resume={run_dir} or pick another run_dir="
-        )
+        if not cfg.resume and ((run_dir / "config.yaml").exists() or (run_dir / "last.pt").exists()):
+            raise ConfigError(
+                f"run_dir={run_dir} already holds a run; continue it with resume={run_dir} or pick another run_dir="
+            )
+    except ConfigError:
+        lock.release()
+        raise
+    if previous is not None:
+        print(took_over(previous), flush=True)
     return run_dir
 
 
@@ -122,7 +143,7 @@ def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Signals and videos
+# Signals
 # ------------------------------------------------------------------------------------------------------------------
 class StopRequest:
     """SIGINT/SIGTERM set a flag; the loop finishes the current env step, saves last.pt and exits 0."""
@@ -144,42 +165,6 @@ class StopRequest:
 
     def __call__(self) -> bool:
         return self.requested
-
-
-class VideoRecorder:
-    """Records env 0's BEV for one whole episode (starting at its next reset) when armed."""
-
-    def __init__(self, max_frames: int) -> None:
-        self.max_frames = max_frames
-        self.render: Callable[[Any], np.ndarray] | None = None
-        try:
-            from envs.sim.render import bev_to_rgb  # type: ignore[import-not-found]
-
-            self.render = bev_to_rgb
-        except ImportError:
-            pass
-        self.state = "idle"  # idle -> waiting (for env 0's reset) -> recording -> ready
-        self.frames: list[np.ndarray] = []
-        self.update = 0
-
-    def arm(self, update: int) -> None:
-        if self.render is not None and self.state == "idle":
-            self.state, self.frames, self.update = "waiting", [], update
-
-    def on_step(self, obs: dict[str, torch.Tensor], done: torch.Tensor) -> None:
-        if self.state == "recording":
-            self.frames.append(np.asarray(self.render(obs[OBS_BEV][0].cpu().numpy())))  # type: ignore[misc]
-            if bool(done[0]) or len(self.frames) >= self.max_frames:
-                self.state = "ready"
-        elif self.state == "waiting" and bool(done[0]):
-            self.state = "recording"
-            self.frames = [np.asarray(self.render(obs[OBS_BEV][0].cpu().numpy()))]  # type: ignore[misc]
-
-    def take(self) -> np.ndarray | None:
-        if self.state != "ready":
-            return None
-        self.state = "idle"
-        return np.stack(self.frames).astype(np.uint8)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -256,10 +241,18 @@ class Checkpoints:
 
 
 def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
+    check_world(cfg, ctx.world_size)
+    lock = RunLock()  # rank 0 holds the run folder until this function returns, however it ends
+    run_dir = ctx.run_on_main(lambda: claim_run_dir(cfg, lock), "run folder")
+    try:
+        return _train_in(cfg, ctx, device, run_dir)
+    finally:
+        lock.release()
+
+
+def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir: Path) -> int:
     from omegaconf import OmegaConf
 
-    check_world(cfg, ctx.world_size)
-    run_dir = ctx.run_on_main(lambda: resolve_run_dir(cfg), "run folder")
     say = print if ctx.is_main else (lambda *_a, **_k: None)  # only rank 0 prints, logs and writes files
     if cfg.parallel.torch_threads:
         torch.set_num_threads(cfg.parallel.torch_threads)
@@ -431,6 +424,7 @@ class TrainCommand(Command):
         ConfigError: ("config error", 2, ""), ckpt_lib.CheckpointError: ("checkpoint error", 2, ""),
         DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")}
     result_source = "eval/final.json"
+    locks_folder = True
 
     def load(self, overrides: list[str]) -> TrainConfig:
         return load_config(overrides)

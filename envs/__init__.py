@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # torch is imported by the backends; keep importers of envs.m
     from envs.api import BatchedEnv
 
 BACKENDS = ("sim", "carla", "nuplan")
+# the observation layout (envs.api.LAYOUTS) each backend produces: what a policy trained on it reads
+BACKEND_LAYOUTS = {"sim": "carla", "carla": "carla", "nuplan": "nuplan"}
 
 
 def _unknown_backend(name: str) -> Exception:

@@ -178,10 +178,10 @@ def test_the_cli_prints_the_typed_config() -> None:
 
 
 def test_hydra_launcher_and_sweeper_choices_are_named() -> None:
-    from carl.config import check_hydra_choices
+    from carl.config import check_choices
 
-    assert check_hydra_choices(["hydra/launcher=basic", "hydra/sweeper=basic", "seed=2"]) == {}
-    bad = check_hydra_choices(["hydra/launcher=slurm_nod", "hydra/sweeper=grid"])
+    assert check_choices(["hydra/launcher=basic", "hydra/sweeper=basic", "seed=2"]) == {}
+    bad = check_choices(["hydra/launcher=slurm_nod", "hydra/sweeper=grid"])
     assert bad["hydra/launcher=slurm_nod"].startswith("hydra/launcher=slurm_nod is unknown; did you mean "
                                                       "hydra/launcher=slurm_node?")
     assert "choose one of basic" in bad["hydra/sweeper=grid"] and "conf/hydra/sweeper/" in bad["hydra/sweeper=grid"]

@@ -100,7 +100,8 @@ def test_plan_with_a_nuplan_layout_bundle(tmp_path):
     """A bundle of CaRL's nuPlan variant: the adapter builds its 9-channel observation and 10 + 4 measurements with
     the env's observation part and maps its (accel, steer) actions to the rollout."""
     import carl
-    from carl.bundle import action_names, export_bundle, observation_layout
+    from carl.bundle import action_names, observation_layout
+    from carl.export import export_bundle
     from envs.nuplan.nuplan_map import load_location
     from envs.nuplan.synthetic import make_synthetic_dataset
     from test_export import tiny_nuplan_checkpoint

@@ -116,7 +116,8 @@ def test_carl_nuplan_preset_trains_and_its_bundle_drives_the_planner_adapter(dat
     assert out.returncode == 0, out.stderr[-3000:]
     assert "update 2/2" in out.stdout, out.stdout[-2000:]
     import carl
-    from carl.bundle import action_names, export_bundle, observation_layout
+    from carl.bundle import action_names, observation_layout
+    from carl.export import export_bundle
     from carl.deploy import nuplan_planner as dp
     from envs.nuplan.nuplan_map import load_location
 

@@ -55,7 +55,7 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at update 2" in resumed.stdout
     assert "update 3/4" in resumed.stdout and "update 4/4" in resumed.stdout
-    assert torch.load(run_dir / "last.pt", weights_only=False)["update"] == 4
+    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 4
 
 
 def test_config_error_exit_code(tmp_path: Path) -> None:
@@ -107,4 +107,4 @@ def test_sigint_saves_and_exits_zero(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "SIGINT received" in err and "saved" in out and "resume=" in out
-    assert torch.load(run_dir / "last.pt", weights_only=False)["update"] >= 1
+    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] >= 1

@@ -42,10 +42,11 @@ from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError, compose
 from carl.eval import EvalError
-from carl.eval.benchmarks import resolve_benchmark
+from carl.eval.benchmarks import Benchmark, resolve_benchmark
 from carl.eval.loop import evaluate_policy
 from carl.eval.policies import BASELINES, PolicySource, resolve_policy
 from carl.eval.report import plot_infractions, plot_scores, record_worst, write_tables
+from carl.runlock import RunLock, took_over
 
 # top-level shortcuts for benchmark keys: carl-eval benchmark=val14 env=nuplan reactive=true data_root=...
 SHORTCUTS = {"env": "++benchmark.env", "reactive": "++benchmark.reactive",
@@ -104,6 +105,15 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
         f"groups, env {bench.env}) | out {out_dir}")
     if bench.note:
         log(bench.note)
+    with RunLock() as lock:  # one process writes in out_dir at a time
+        previous = lock.acquire(out_dir, "out_dir")
+        if previous is not None:
+            log(took_over(previous))
+        return _evaluate(cfg, bench, policy, out_dir, device, seed, overwrite, log)
+
+
+def _evaluate(cfg: dict[str, Any], bench: Benchmark, policy: PolicySource, out_dir: Path, device: torch.device, seed: int,
+              overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     summary, records = evaluate_policy(policy, bench, out_dir, device, seed, overwrite, log)
 
     summaries = {policy.name: summary}
@@ -144,6 +154,7 @@ class EvalCommand(Command):
     groups = ("benchmark",)
     schemas = {"eval_schema": EvalConfig}  # noqa: RUF012
     result_source = "summary.json"
+    locks_folder = True
 
     @property
     def errors(self) -> dict[type[BaseException], tuple[str, int, str]]:  # type: ignore[override]

@@ -92,6 +92,12 @@ class PPOTrainer:
             if cfg.bootstrap_truncation:
                 only_trunc = res.truncated & ~res.terminated
                 if bool(only_trunc.any()):
+                    missing = [k for k in self.next_obs if f"final_obs/{k}" not in res.info]
+                    if missing:
+                        raise ValueError(f"ppo.bootstrap_truncation=true needs the final observation of truncated "
+                                         f"episodes, and the env gives no info['final_obs/{missing[0]}']; let it keep "
+                                         "them (the built-in backends: env.options.keep_final_obs=true) or set "
+                                         "ppo.bootstrap_truncation=false")
                     final_obs = {k: res.info[f"final_obs/{k}"] for k in self.next_obs}
                     with self.timer.phase("inference"), self.autocast():
                         bootstrap = self.policy.get_value(final_obs) * only_trunc.float()

@@ -344,7 +344,7 @@ class LaneGraph:
         if not path.exists():
             raise MapError(f"map file {path} does not exist")
         try:
-            with np.load(path) as z:
+            with np.load(path, allow_pickle=False) as z:
                 header = json.loads(bytes(z["__header__"]).decode())
                 arrays = {k: z[k] for k in z.files if k != "__header__"}
         except Exception as e:  # noqa: BLE001 - any unreadable file gets the same actionable message

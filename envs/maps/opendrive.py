@@ -965,8 +965,12 @@ def load_town(town: str, maps_dir: str | Path | None = None, cache_dir: str | Pa
                            "CARL_CARLA_MAPS to a folder of <Town>.xodr files or pass maps_dir")
         path = d / f"{town}.xodr"
         if not path.is_file():
-            raise MapError(f"unknown town '{town}': no {path.name} in {d}; available: "
-                           f"{', '.join(available_towns(d)) or '(none)'}")
+            given = "maps_dir" if maps_dir is not None else (
+                "CARL_CARLA_MAPS" if os.environ.get("CARL_CARLA_MAPS") else "the development copy of carla-maps")
+            raise MapError(f"unknown town '{town}': no {path.name} in {d} ({given}); available: "
+                           f"{', '.join(available_towns(d)) or '(none)'}; to add a map, put {path.name} there or set "
+                           f"CARL_CARLA_MAPS to a folder of <Town>.xodr files that has it (or env.options.map to an "
+                           ".xodr path)")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     cache = Path(cache_dir) if cache_dir is not None else _cache_dir()
     cache_file = cache / f"{town}-{digest}.npz"

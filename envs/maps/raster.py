@@ -351,7 +351,7 @@ def load_or_compile_raster(graph: LaneGraph, ppm: float, cache_dir: Path | str |
     path = cache_dir / f"{safe_name}_{graph_hash(graph, ppm)}.raster.npz"
     if path.exists():
         try:
-            with np.load(path) as z:
+            with np.load(path, allow_pickle=False) as z:
                 return MapRaster(origin=(float(z["origin"][0]), float(z["origin"][1])), ppm=float(z["ppm"]),
                                  layers=torch.from_numpy(z["layers"]), seg_id=torch.from_numpy(z["seg_id"]))
         except Exception:  # noqa: BLE001 - a corrupt cache is simply rebuilt

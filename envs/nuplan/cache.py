@@ -172,7 +172,7 @@ def read_header(path: str | Path) -> dict:
     if not path.is_file():
         raise CacheError(f"cache file {path} does not exist")
     try:
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:
             return json.loads(bytes(z["header"]).decode())
     except Exception as e:  # every unreadable file gets the same message
         raise CacheError(f"cache file {path} is unreadable ({e}); delete it and rebuild the cache") from e
@@ -186,7 +186,7 @@ def load(path: str | Path) -> CachedScenario:
         raise CacheError(f"cache file {path} has cache version {header.get('version')}, this carl reads version "
                          f"{CACHE_VERSION} (version 2 added the map polygon layers); {REBUILD_HINT}")
     try:
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:
             graph = LaneGraph(name=header["graph_name"], meta=header["graph_meta"],
                               **{k[2:]: z[k] for k in z.files if k.startswith("g_")})
             polys = {k: PolygonSet(z[f"poly_{k}_xy"], z[f"poly_{k}_rings"].astype(np.int64),
