@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pytest processes for `make test` (pytest-xdist; each test module runs whole in one of them)
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: venv dev train test bench clean
@@ -22,7 +24,7 @@ train: venv
 	$(BIN)/carl-train +experiment=quick
 
 test: dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: venv
 	$(BIN)/python scripts/bench_sim.py

@@ -2,7 +2,11 @@
 (``CARL_PROCESS_TAG``, inherited by children and grandchildren, also after they are re-parented to init), and for
 every test module with tests marked ``carla`` an autouse fixture checks at the end of the module that no process
 started during the module is still alive: neither a descendant of this process nor a tagged process anywhere (a CARLA
-server or stand-in that lost its owner). Survivors fail the module (error at teardown) and are killed."""
+server or stand-in that lost its owner). Survivors fail the module (error at teardown) and are killed.
+
+With several pytest processes (``make test``: pytest-xdist, ``--dist loadfile``) a module runs whole in one of them,
+so each module's census sees only its own processes (the tag names the pytest process); modules that start CARLA
+stand-in servers use port blocks of their own (23000-23999, 24300, 24700, 24800, 25300-25499)."""
 from __future__ import annotations
 
 import os
@@ -32,3 +36,4 @@ def no_process_left_behind(request: pytest.FixtureRequest):
         kill_all(left)
         pytest.fail(f"{len(left)} process(es) started by {module.__name__} outlived it:\n{describe(left)}",
                     pytrace=False)
+

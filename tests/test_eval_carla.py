@@ -36,7 +36,7 @@ def test_longest6_carla_expert_two_servers_at_a_time(tmp_path: Path) -> None:
     out, logs = tmp_path / "eval", tmp_path / "logs"
     cmd = [sys.executable, "-m", "carl.eval", "policy=expert", "benchmark=longest6_carla",
            f"benchmark.route_file={_route_file(tmp_path / 'routes.xml')}", "benchmark.parallel_routes=2",
-           f"benchmark.options.executable={standin_executable(tmp_path, TOWN01)}", "benchmark.options.base_port=24700",
+           f"benchmark.options.executable={standin_executable(tmp_path, TOWN01)}", "benchmark.options.base_port=24800",
            f"benchmark.options.log_dir={logs}", "benchmark.options.traffic_vehicles=0",
            "benchmark.options.traffic_pedestrians=0", "benchmark.options.ready_timeout=30", "benchmark.max_steps=400",
            f"out_dir={out}", "worst_videos=1", "torch_threads=1"]

@@ -15,6 +15,7 @@ whose width changes along them, e.g. OpenDRIVE cubic width polynomials). Version
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -334,9 +335,12 @@ class LaneGraph:
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("name", "meta")}
         header = json.dumps({"version": FORMAT_VERSION, "name": self.name, "meta": self.meta})
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
-        tmp.replace(path)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # own name: processes compiling one map at once
+        try:
+            np.savez_compressed(tmp, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path) -> "LaneGraph":
