@@ -8,6 +8,9 @@ on this host whose process is still the same one (pid and start time) is never t
 
 On a cluster file system (NFS v4, Lustre with ``flock`` mounts) the lock works across hosts; a holder's lock there
 ends when its host's lease does (NFS: about 90 s after a node dies), which ``lock_wait_s`` can wait out.
+
+:func:`claim_run_dir` is carl-train's way in: hold the folder, then check it (a resume needs ``last.pt``, a new run
+an empty folder). carl-eval holds its ``out_dir`` with :class:`RunLock` directly.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from carl.config import ConfigError
+from carl.config import ConfigError, TrainConfig
 
 LOCK_NAME = ".carl.lock"
 POLL_S = 0.5
@@ -176,3 +179,30 @@ class RunLock:
 def took_over(previous: Holder | None) -> str:
     """The line a process prints when it took over a dead holder's folder ('' if there was none)."""
     return f"took over the run folder from {previous.describe()}, which is no longer running" if previous else ""
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    """``resume``, else ``run_dir``, else ``runs/<experiment>-<timestamp>``."""
+    if cfg.resume:
+        return Path(cfg.resume)
+    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / f"{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def claim_run_dir(cfg: TrainConfig, lock: RunLock) -> Path:
+    """Hold the run folder (:mod:`carl.runlock`: refused while another process trains there), then check it: a
+    resume needs its ``last.pt``, a new run a folder that holds no run."""
+    run_dir = run_dir_of(cfg)
+    previous = lock.acquire(run_dir, "resume" if cfg.resume else "run_dir", cfg.lock_wait_s)
+    try:
+        if cfg.resume and not (run_dir / "last.pt").is_file():
+            raise ConfigError(f"resume={cfg.resume}: {run_dir / 'last.pt'} does not exist (nothing to resume)")
+        if not cfg.resume and ((run_dir / "config.yaml").exists() or (run_dir / "last.pt").exists()):
+            raise ConfigError(
+                f"run_dir={run_dir} already holds a run; continue it with resume={run_dir} or pick another run_dir="
+            )
+    except ConfigError:
+        lock.release()
+        raise
+    if previous is not None:
+        print(took_over(previous), flush=True)
+    return run_dir

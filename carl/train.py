@@ -46,7 +46,7 @@ from carl.parallel import DistContext, DistributedError, SyncMethod, init_distri
 from carl.parallel.launch import check_resume_world, check_world
 from carl.policy import CarlPolicy, describe
 from carl.ppo import PPOTrainer
-from carl.runlock import RunLock, took_over
+from carl.runlock import RunLock, claim_run_dir
 from envs.api import BatchedEnv
 
 
@@ -72,15 +72,11 @@ def load_config(overrides: list[str]) -> TrainConfig:
         raise ConfigError(f"resume={resume} reuses the run's config; group selections {groups} are not allowed")
     data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
     assert isinstance(data, dict)
-    cfg = config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
-    before = config.from_dict({**data, "resume": resume, "run_dir": resume}, [], world_size)
-    changed = [f"{key}={now} (the run has {was})" for key, was, now in (
-        ("env.name", before.env.name, cfg.env.name), ("env.num_envs", before.env.num_envs, cfg.env.num_envs),
-        *((f"model.{k}", v, getattr(cfg.model, k)) for k, v in vars(before.model).items())) if was != now]
+    changed = resume_changes(data, rest)
     if changed:
         raise ConfigError(f"resume={resume} continues the run's env and model as saved in last.pt, so "
                           f"{', '.join(changed)} cannot change; start a new run (run_dir=) to change them")
-    return cfg
+    return config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -91,31 +87,18 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device(dev)
 
 
-def run_dir_of(cfg: TrainConfig) -> Path:
-    """``resume``, else ``run_dir``, else ``runs/<experiment>-<timestamp>``."""
-    if cfg.resume:
-        return Path(cfg.resume)
-    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / f"{cfg.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+def resume_changes(saved: dict[str, Any], overrides: list[str]) -> list[str]:
+    """The overrides of a resume that change what ``last.pt`` fixes: the env's rows and the network."""
+    from omegaconf import OmegaConf
 
-
-def claim_run_dir(cfg: TrainConfig, lock: RunLock) -> Path:
-    """Hold the run folder (:mod:`carl.runlock`: refused while another process trains there), then check it: a
-    resume needs its ``last.pt``, a new run a folder that holds no run."""
-    run_dir = run_dir_of(cfg)
-    previous = lock.acquire(run_dir, "resume" if cfg.resume else "run_dir", cfg.lock_wait_s)
-    try:
-        if cfg.resume and not (run_dir / "last.pt").is_file():
-            raise ConfigError(f"resume={cfg.resume}: {run_dir / 'last.pt'} does not exist (nothing to resume)")
-        if not cfg.resume and ((run_dir / "config.yaml").exists() or (run_dir / "last.pt").exists()):
-            raise ConfigError(
-                f"run_dir={run_dir} already holds a run; continue it with resume={run_dir} or pick another run_dir="
-            )
-    except ConfigError:
-        lock.release()
-        raise
-    if previous is not None:
-        print(took_over(previous), flush=True)
-    return run_dir
+    run, changed = OmegaConf.create(saved), []
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in ("env.name", "env.num_envs") or key.startswith("model."):
+            now, was = OmegaConf.from_dotlist([f"v={value}"]).v, OmegaConf.select(run, key)  # typed as Hydra does
+            if now != was:
+                changed.append(f"{key}={now} (the run has {was})")
+    return changed
 
 
 # ------------------------------------------------------------------------------------------------------------------

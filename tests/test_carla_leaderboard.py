@@ -72,7 +72,8 @@ def test_vehicle_light_states_map_onto_the_simulator_bits() -> None:
     assert Reading.empty().lights.shape == (0,)
 
 DRIVE = """
-    import json, sys, torch, carla
+    import faulthandler, json, sys, torch, carla
+    faulthandler.dump_traceback_later(float(sys.argv[4]), exit=True)  # every thread's stack, should it ever hang
     from envs.carla.config import split_options
     from envs.carla.worker import CarlaWorker
     from carl.deploy.leaderboard_agent import CarlAgent
@@ -126,8 +127,8 @@ def test_agent_drives_through_the_real_client(tmp_path: Path) -> None:
     try:
         srv.wait_ready()
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(DRIVE), str(srv.ports.rpc), str(srv.ports.tm),
-                               str(tiny_checkpoint(tmp_path / "tiny.pt"))], capture_output=True, text=True,
-                              timeout=120, cwd=ROOT)
+                               str(tiny_checkpoint(tmp_path / "tiny.pt")), "150"], capture_output=True, text=True,
+                              timeout=180, cwd=ROOT)
     finally:
         srv.kill()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

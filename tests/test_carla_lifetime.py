@@ -112,7 +112,8 @@ def test_killed_worker_takes_its_server_along(tmp_path: Path, tag: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- owner processes
 OWNER = """
-    import json, sys, time
+    import faulthandler, json, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks for every stack
     kind, opts = sys.argv[1], json.loads(sys.argv[2])
     if kind == "env":
         from envs.carla.vector import make_carla_env
@@ -152,7 +153,9 @@ def start_owner(kind: str, opts: dict, timeout: float = 60.0) -> tuple[subproces
         proc.kill()
         proc.wait()
         raise AssertionError("owner did not get ready:\n" + "".join(lines)[-3000:])
-    return proc, json.loads(next(x for x in lines if x.startswith("READY "))[6:])
+    info = json.loads(next(x for x in lines if x.startswith("READY "))[6:])
+    info["output"] = lines  # what the owner writes from now on lands here too
+    return proc, info
 
 
 @pytest.mark.carla
@@ -162,11 +165,18 @@ def test_signal_to_the_owner_of_an_env_leaves_nothing(tmp_path: Path, tag: str, 
     """SIGTERM: the env's handler stops workers and servers, then the process dies of SIGTERM. SIGINT: the
     KeyboardInterrupt ends the interpreter, whose ``atexit`` hook closes the env."""
     proc, info = start_owner("env", options(tmp_path, 25360))
+    lines = info["output"]
     try:
         assert standins(tag) and info["workers"]
         t0 = time.monotonic()
         os.kill(proc.pid, sig)
-        code = proc.wait(timeout=30)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # the owner's stacks, then the stuck processes' census
+            time.sleep(2.0)
+            raise AssertionError(f"owner still running 30 s after {sig.name}; its output and stacks:\n"
+                                 + "".join(lines)[-6000:] + "\n" + describe(left(tag))) from None
         assert code != 0
         if sig == signal.SIGTERM:
             assert code == -signal.SIGTERM  # still ends as SIGTERM's default would

@@ -211,3 +211,80 @@ def test_the_cli_is_hydras_command_line() -> None:
     hydra = yaml.safe_load(shown.stdout)["hydra"]  # as written, interpolations unresolved
     assert hydra["job"]["chdir"] is False and hydra["run"]["dir"].startswith("runs/${experiment}-")
     assert hydra["sweep"]["subdir"] == "${hydra.job.num}"
+
+
+# ---------------------------------------------------------------------------------------------- refused at start
+def test_bootstrap_truncation_needs_the_final_observations() -> None:
+    """ppo.bootstrap_truncation=true reads info['final_obs/...'], which the backends keep only when asked: refused at
+    start naming both keys (the nuPlan backend nests the simulator's options), accepted with both set."""
+    with pytest.raises(ConfigError) as err:
+        load_config(["+experiment=quick", "ppo.bootstrap_truncation=true"])
+    assert "ppo.bootstrap_truncation=true" in str(err.value) and "env.options.keep_final_obs=true" in str(err.value)
+    assert load_config(["+experiment=quick", "ppo.bootstrap_truncation=true",
+                        "env.options.keep_final_obs=true"]).ppo.bootstrap_truncation
+    with pytest.raises(ConfigError, match=r"env.options.sim.keep_final_obs=true"):
+        load_config(["env=nuplan", "ppo.bootstrap_truncation=true"])
+
+
+def test_a_custom_env_without_final_observations_is_named_at_the_first_truncation() -> None:
+    from carl.config import PPOConfig
+    from carl.policy import CarlPolicy
+    from carl.ppo import PPOTrainer
+    from tests.fake_env import make_fake_env
+
+    env = make_fake_env(2, "cpu", seed=0, bev_size=24, bev_channels=3, episode_length=2)
+    trainer = PPOTrainer(CarlPolicy(env.observation_spec, 2, 16, 16, 32), env,
+                         PPOConfig(num_steps=4, minibatch_size=8, update_epochs=1, bootstrap_truncation=True))
+    trainer.reset(seed=0)
+    with pytest.raises(ValueError, match=r"no info\['final_obs/bev'\].*keep_final_obs=true"):
+        trainer.collect()
+
+
+def test_final_benchmark_must_read_what_the_run_trains_on() -> None:
+    with pytest.raises(ConfigError, match=r"logging.final_benchmark=towns drives env 'sim' \(carla observations\), "
+                                          r"but this run trains on env 'nuplan' \(nuplan observations\); use "
+                                          r"logging.final_benchmark=val14 or null"):
+        load_config(["env=nuplan", "logging.final_benchmark=towns"])
+    assert load_config(["logging.final_benchmark=longest6"]).logging.final_benchmark == "longest6"
+
+
+@pytest.mark.parametrize("override, listed", [
+    ("env=simm", "did you mean env=sim? choose one of carla, custom, nuplan, sim"),
+    ("+experiment=quik", "did you mean +experiment=quick?"),
+    ("parallel=dd", "did you mean parallel=ddp? choose one of ddp, single"),
+])
+def test_unknown_group_choices_list_the_presets(override: str, listed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([override, "seed=x"])  # every problem at once: the bad seed too
+    assert listed in str(err.value) and "seed='x'" in str(err.value)
+
+
+def test_unknown_benchmark_lists_the_benchmarks() -> None:
+    from carl.eval.cli import load as load_eval
+
+    with pytest.raises(ConfigError, match=r"benchmark=longest7 is unknown; did you mean benchmark=longest6\? choose "
+                                          r"one of longest6, longest6_carla, towns, val14"):
+        load_eval(["benchmark=longest7"])
+
+
+def test_resume_cannot_change_the_env_or_model(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    train_config = load_config
+
+    OmegaConf.save(OmegaConf.create(load_config(["+experiment=quick"]).to_dict()), tmp_path / "config.yaml")
+    cfg = train_config([f"resume={tmp_path}", "ppo.total_timesteps=2000000"])
+    assert cfg.ppo.total_timesteps == 2_000_000 and cfg.resume == str(tmp_path)
+    with pytest.raises(ConfigError, match=r"env.num_envs=3 \(the run has \d+\), model.hidden_dim=8 \(the run has 256\) "
+                                          r"cannot change"):
+        train_config([f"resume={tmp_path}", "env.num_envs=3", "model.hidden_dim=8"])
+
+
+def test_a_town_that_is_not_there_says_how_to_add_it(tmp_path: Path) -> None:
+    from envs.maps.lanegraph import MapError
+    from envs.maps.opendrive import load_town
+
+    (tmp_path / "Town01.xodr").write_text("<OpenDRIVE/>")
+    with pytest.raises(MapError, match=r"unknown town 'osm_grid': no osm_grid.xodr in .* \(maps_dir\); available: "
+                                       r"Town01; to add a map, put osm_grid.xodr there or set CARL_CARLA_MAPS"):
+        load_town("osm_grid", maps_dir=tmp_path)
