@@ -37,3 +37,18 @@ def no_process_left_behind(request: pytest.FixtureRequest):
         pytest.fail(f"{len(left)} process(es) started by {module.__name__} outlived it:\n{describe(left)}",
                     pytrace=False)
 
+
+
+# modules of 30 s and more on a 2-core Zen 3, longest first: with several pytest processes (--dist loadfile) they
+# start first, so that no long module is left running alone at the end
+LONG_MODULES = ("test_sweeps", "test_parallel_launch", "test_carla_worker", "test_train_cli", "test_carla_lifetime",
+                "test_parallel_sync", "test_eval_carla", "test_config", "test_nuplan_score", "test_carla_train")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long modules first (in :data:`LONG_MODULES` order), then the rest as collected; tests keep their order."""
+    def rank(item: pytest.Item) -> int:
+        name = item.module.__name__.split(".")[-1] if item.module is not None else ""
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable
