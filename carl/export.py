@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version, check_bundle,
-                         make_spec, policy_from_checkpoint, quiet_export, sha256_file)
+from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version,
+                         check_bundle, make_spec, policy_from_checkpoint, quiet_export, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError, compose

@@ -130,7 +130,10 @@ OWNER = """
             srv.wait_ready()
         info = {"workers": [], "servers": [srv.proc.pid]}
     print("READY " + json.dumps(info), flush=True)
-    time.sleep(300)
+    # short sleeps: a signal sent to the process may land on any of its threads (torch's pool), and only the main
+    # thread's own wake-ups run Python's handlers; one long sleep() would hold SIGINT/SIGTERM back for minutes
+    for _ in range(3000):
+        time.sleep(0.1)
 """
 
 

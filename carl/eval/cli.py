@@ -112,8 +112,8 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
         return _evaluate(cfg, bench, policy, out_dir, device, seed, overwrite, log)
 
 
-def _evaluate(cfg: dict[str, Any], bench: Benchmark, policy: PolicySource, out_dir: Path, device: torch.device, seed: int,
-              overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+def _evaluate(cfg: dict[str, Any], bench: Benchmark, policy: PolicySource, out_dir: Path, device: torch.device,
+              seed: int, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     summary, records = evaluate_policy(policy, bench, out_dir, device, seed, overwrite, log)
 
     summaries = {policy.name: summary}
