@@ -114,6 +114,9 @@ def test_killed_worker_takes_its_server_along(tmp_path: Path, tag: str) -> None:
 OWNER = """
     import faulthandler, json, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks for every stack
+    # Ctrl-C as in a terminal: Python turns SIGINT into KeyboardInterrupt only where it was not ignored at start,
+    # and a test run started in the background (nohup, `make test &`, some CI runners) hands SIG_IGN down
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     kind, opts = sys.argv[1], json.loads(sys.argv[2])
     if kind == "env":
         from envs.carla.vector import make_carla_env
@@ -130,10 +133,7 @@ OWNER = """
             srv.wait_ready()
         info = {"workers": [], "servers": [srv.proc.pid]}
     print("READY " + json.dumps(info), flush=True)
-    # short sleeps: a signal sent to the process may land on any of its threads (torch's pool), and only the main
-    # thread's own wake-ups run Python's handlers; one long sleep() would hold SIGINT/SIGTERM back for minutes
-    for _ in range(3000):
-        time.sleep(0.1)
+    time.sleep(300)
 """
 
 

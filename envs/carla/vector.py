@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 READY_SLACK = 120.0  # seconds on top of the server's ready_timeout for a worker to come up (map compile, routes)
 PARENT_POLL_S = 0.2  # how often a worker checks that the main process is alive
-WAIT_SLICE_S = 0.25  # the longest the main thread blocks in one wait for a worker (signals run between slices)
 
 
 def _to_numpy(d: dict[str, Tensor]) -> dict[str, np.ndarray]:
@@ -194,14 +193,9 @@ class CarlaVectorEnv(BatchedEnv):
 
     def _recv(self, i: int, timeout: float | None = None) -> tuple[str, Any]:
         conn = self.conns[i]
-        # wait in slices: a signal (Ctrl-C, SIGTERM) may land on another thread of this process (torch's pool), and
-        # Python runs its handler only when the main thread wakes up
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not conn.poll(WAIT_SLICE_S if deadline is None else
-                            min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.0))):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}) gave no answer within {timeout:.0f} s")
-        msg = conn.recv()  # EOFError if the process died (a closed pipe polls as readable)
+        if timeout is not None and not conn.poll(timeout):
+            raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}) gave no answer within {timeout:.0f} s")
+        msg = conn.recv()  # EOFError if the process died
         if msg[0] == "error":
             raise CarlaError(f"CARLA worker {i} (port {self.blocks[i].rpc}): {msg[1]}")
         return msg
