@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from carl.checkpoint import plain_data
 from carl.config import ParallelConfig
 from carl.parallel.accounting import SyncStats
-from carl.checkpoint import plain_data
 from carl.parallel.lgreco import LGreCoReducer, candidate_ranks, plan_ranks, rank_errors
 from carl.parallel.lowrank import LowRankReducer
 from carl.parallel.topk import TopKReducer
