@@ -79,14 +79,6 @@ def load_config(overrides: list[str]) -> TrainConfig:
     return config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    check_device(cfg, torch.cuda.is_available())
-    dev = cfg.parallel.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(dev)
-
-
 def resume_changes(saved: dict[str, Any], overrides: list[str]) -> list[str]:
     """The overrides of a resume that change what ``last.pt`` fixes: the env's rows and the network."""
     from omegaconf import OmegaConf

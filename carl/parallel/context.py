@@ -175,10 +175,6 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def pick_backend(requested: str, device: torch.device) -> str:
     """``auto``: NCCL for CUDA devices, gloo otherwise. Refuse NCCL on CPU."""
     if requested not in BACKENDS:

@@ -94,10 +94,6 @@ class MapRaster:
         # per-component arithmetic with Python floats: no host-to-device copy of the origin on CUDA
         return torch.stack(((xy[..., 0] - self.origin[0]) * self.ppm, (xy[..., 1] - self.origin[1]) * self.ppm), -1)
 
-    def pixel_to_world(self, cr: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`world_to_pixel`; the centre of pixel ``(c, r)`` is at ``(c + 0.5, r + 0.5)``."""
-        return torch.stack((cr[..., 0] / self.ppm + self.origin[0], cr[..., 1] / self.ppm + self.origin[1]), -1)
-
 
 # ---------------------------------------------------------------------------------------------------- primitives
 def _patch_offsets(k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,6 @@ grid (each in its own cell) so one ``World`` holds them all and the step stays a
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,7 +366,3 @@ def make_nuplan_env(num_envs: int, device: str | torch.device = "cpu", seed: int
     """``envs.make_env("nuplan", ...)``: validate ``options`` (see :class:`NuplanOptions`) and build the env."""
     opts = from_dict(NuplanOptions, options, "env.options").validate()
     return NuplanEnv(load_scenarios(opts, seed), opts, num_envs, device, seed)
-
-
-def options_dict(opts: NuplanOptions) -> dict:
-    return dataclasses.asdict(opts)

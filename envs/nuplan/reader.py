@@ -360,13 +360,6 @@ def window_rows(con: sqlite3.Connection, path: str | Path, anchor_ts: int, durat
         ORDER BY lp.timestamp""", (PLANNING_LIDAR, start, end))
 
 
-def scenario_frames(con: sqlite3.Connection, path: str | Path, anchor_ts: int, duration_s: float = DURATION_S,
-                    offset_s: float = OFFSET_S, subsample: float = SUBSAMPLE) -> list[sqlite3.Row]:
-    """The window's ``lidar_pc`` rows (token, timestamp, ego_pose_token, scene_token), every 1/subsample-th."""
-    step = max(1, int(round(1.0 / subsample)))
-    return window_rows(con, path, anchor_ts, duration_s, offset_s)[::step]
-
-
 def check_frames(frame_ts: np.ndarray, ego_ts: np.ndarray, start: int, end: int, dt: float, where: str,
                  raw_ts: np.ndarray | None = None) -> None:
     """Refuse a window that is not a clean series of frames ``dt`` seconds apart covering [start, end] (µs):

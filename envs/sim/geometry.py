@@ -80,17 +80,6 @@ def boxes_overlap_moving(c1: Tensor, yaw1: Tensor, he1: Tensor, v1: Tensor, c2: 
     return inside
 
 
-def point_in_quads(p: Tensor, quads: Tensor) -> Tensor:
-    """Points ``p[..., 2]`` inside convex counter-clockwise quads ``quads[..., 4, 2]`` (broadcasting)."""
-    a = quads
-    b = torch.roll(quads, -1, dims=-2)
-    e = b - a
-    w = p.unsqueeze(-2) - a
-    cross = e[..., 0] * w[..., 1] - e[..., 1] * w[..., 0]
-    return (cross >= 0).all(-1)
-
-
-
 def points_in_polygons(points: Tensor, edges: Tensor, edge_polygon: Tensor, num_polygons: int) -> Tensor:
     """Whether each point lies inside any of a set of polygons (holes allowed), batched: ``points`` [B, K, 2],
     ``edges`` [B, E, 4] (x1, y1, x2, y2 of every ring edge; padding edges with y1 == y2 never count),
