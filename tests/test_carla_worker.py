@@ -88,6 +88,32 @@ def test_real_client_against_standin(standin) -> None:
     assert "map not found" in r["unknown_town"]
 
 
+CONTROL_STEP = """
+    import json, sys, torch
+    from envs.carla.config import split_options
+    from envs.carla.worker import CarlaWorker
+    rpc, tm = int(sys.argv[1]), int(sys.argv[2])
+    cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, bev_size=32, bev_ppm=1.0,
+                                bev_ego_from_bottom=10, route_split="eval", num_routes=4, dt=0.05))
+    w = CarlaWorker(cc, sc, rpc, tm, seed=0)
+    w.reset(seed=0)
+    t0 = w.cworld.get_snapshot().timestamp.elapsed_seconds
+    for _ in range(4):
+        w.step(torch.tensor([[0.0, 0.5]]))
+    t1 = w.cworld.get_snapshot().timestamp.elapsed_seconds
+    out = {"fixed": w.cworld.get_settings().fixed_delta_seconds, "elapsed": t1 - t0}
+    w.close()
+    print(json.dumps(out))
+"""
+
+
+def test_the_server_ticks_the_env_control_step(standin) -> None:
+    """env.options.dt is the server's fixed step: 4 control steps of 0.05 s advance CARLA's clock by 0.2 s (the
+    worker used to set 0.1 s whatever dt said)."""
+    r = run_script(CONTROL_STEP, str(standin.ports.rpc), str(standin.ports.tm))
+    assert abs(r["fixed"] - 0.05) < 1e-9 and abs(r["elapsed"] - 0.2) < 1e-6, r
+
+
 EQUALITY = """
     import json, sys, torch
     from pathlib import Path

@@ -7,9 +7,9 @@ world, Traffic Manager, restarts) and assembles the core from parts (:mod:`envs.
 * :class:`CarlaControl` (ego dynamics) -- ``carla.VehicleControl(throttle, steer, brake)`` from the action (our
   steer is positive to the left, CARLA's to the right, so the sign flips); CARLA's physics moves the ego;
 * :class:`CarlaActors` (actors) -- spawns the ego at the route start, background vehicles on the Traffic Manager and
-  pedestrians; per step one synchronous ``world.tick()`` (``dt`` = 0.1 s) and a read of ego pose/speed and all
-  vehicles and walkers, of the vehicles' light states (one ``get_vehicles_light_states`` RPC per tick) and of the
-  traffic lights; the last reading is re-applied before each observation;
+  pedestrians; per step one synchronous ``world.tick()`` of ``dt`` (``env.options.dt``, 0.1 s by default) and a read
+  of ego pose/speed and all vehicles and walkers, of the vehicles' light states (one ``get_vehicles_light_states``
+  RPC per tick) and of the traffic lights; the last reading is re-applied before each observation;
 * :class:`CarlaLightSource` (lights) -- the colours of CARLA's traffic-light actors, matched to the map's light
   groups by their trigger volumes (:class:`CarlaLights`; see ``docs/carla.md``);
 * :class:`CrashRecovery` (step hook) -- if the server dies or the client times out during a step, the episode is
@@ -414,7 +414,7 @@ class CarlaWorker(SimEnv):
         if scfg.route_file and ccfg.town not in route_towns(scfg.route_file):
             raise CarlaError(f"route file {scfg.route_file} has no routes for town {ccfg.town!r}; it uses "
                              f"{', '.join(route_towns(scfg.route_file))}")
-        self._connect(seed)
+        self._connect(scfg.dt, seed)
         xodr = self.cworld.get_map().to_opendrive()
         world = build_carla_world(graph_from_xodr(xodr, ccfg.town, scfg.cache_dir), ccfg.town, scfg,
                                   torch.device(device))
@@ -422,8 +422,9 @@ class CarlaWorker(SimEnv):
                          lights=CarlaLightSource(), hooks=(CrashRecovery(),))
 
     # ------------------------------------------------------------------ connection
-    def _connect(self, seed: int = 0) -> None:
-        """A new client: version check, the town, synchronous mode at ``dt``, the Traffic Manager."""
+    def _connect(self, dt: float, seed: int = 0) -> None:
+        """A new client: version check, the town, synchronous mode at ``dt`` (the env's control step), the Traffic
+        Manager."""
         carla, c = self.carla, self.ccfg
         self.client = carla.Client(c.host, self.port)
         self.client.set_timeout(c.client_timeout)
@@ -440,7 +441,7 @@ class CarlaWorker(SimEnv):
             world = self.client.load_world(c.town)
         settings = world.get_settings()
         settings.synchronous_mode = True
-        settings.fixed_delta_seconds = 0.1
+        settings.fixed_delta_seconds = dt  # one tick per control step (env.options.dt)
         settings.no_rendering_mode = c.no_rendering
         world.apply_settings(settings)
         self.cworld = world
@@ -468,7 +469,7 @@ class CarlaWorker(SimEnv):
                     raise ServerError(f"external CARLA server on port {self.port} did not come back within "
                                       f"{self.ccfg.ready_timeout:.0f} s after: {why}") from why
                 time.sleep(1.0)
-        self._connect(self.seed + self.restarts)
+        self._connect(self.cfg.dt, self.seed + self.restarts)
         self.actors.forget()
         self.lights.carla = None  # mapped again on the first read (new actors, new client)
 
