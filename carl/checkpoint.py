@@ -147,14 +147,14 @@ def _compatible(expected: dict, found: dict) -> list[str]:
     return diffs
 
 
-def read_safely(path: str | Path, map_location: str | torch.device = "cpu", what: str = "checkpoint") -> Any:
+def read_safely(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
     """``torch.load`` of ``path`` that builds only tensors and plain data (format 1's numpy RNG array aside);
     :class:`CheckpointError` naming the file for anything else: nothing in the file is run."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist")
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{what} {path} is not a torch.save file (no zip archive: truncated, or written by "
+        raise CheckpointError(f"checkpoint {path} is not a torch.save file (no zip archive: truncated, or written by "
                               "another tool); pass a carl-train checkpoint such as runs/<run>/last.pt")
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
@@ -162,12 +162,12 @@ def read_safely(path: str | Path, map_location: str | torch.device = "cpu", what
     except pickle.UnpicklingError as exc:
         found = ", ".join(_unsafe_globals(path)) or str(exc).splitlines()[0]
         raise CheckpointError(
-            f"{what} {path} asks to build Python objects other than tensors and plain data ({found}); carl never runs "
+            f"checkpoint {path} asks to build Python objects other than tensors and plain data ({found}); carl never runs "
             "code from a file, so it is refused. A carl checkpoint holds none: this file was made by another tool or "
             "crafted. If you wrote it yourself and trust it, load it in Python and save the tensors again "
             "(docs/security.md)") from None
     except Exception as exc:  # noqa: BLE001 - a torn or foreign archive fails in many ways
-        raise CheckpointError(f"{what} {path} is corrupt or truncated ({type(exc).__name__}: "
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}); use another checkpoint of the run "
                               "(last.pt, best.pt, update_<n>.pt)") from None
 

@@ -585,18 +585,23 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         _require(lg.final_benchmark in benches, f"logging.final_benchmark={lg.final_benchmark!r} is not a benchmark; "
                  f"use one of {', '.join(benches)} (conf/benchmark), or null")
         if lg.final_benchmark in benches and backend_of(e.name) is not None:
-            mine, theirs = backend_layout(e.name), backend_layout(_benchmark_env(lg.final_benchmark))
-            fits = [b for b in benches if backend_layout(_benchmark_env(b)) == mine]
-            _require(theirs == mine, f"logging.final_benchmark={lg.final_benchmark} drives env "
-                     f"{_benchmark_env(lg.final_benchmark)!r} ({theirs} observations), but this run trains on env "
-                     f"{e.name!r} ({mine} observations); use logging.final_benchmark="
+            bench_envs = {b: _benchmark_env(b) for b in benches}
+            layouts = {b: envs.BACKEND_LAYOUTS.get(env, "custom") for b, env in bench_envs.items()}
+            mine = envs.BACKEND_LAYOUTS[e.name]
+            fits = [b for b in benches if layouts[b] == mine]
+            _require(layouts[lg.final_benchmark] == mine, f"logging.final_benchmark={lg.final_benchmark} drives env "
+                     f"{bench_envs[lg.final_benchmark]!r} ({layouts[lg.final_benchmark]} observations), but this run "
+                     f"trains on env {e.name!r} ({mine} observations); use logging.final_benchmark="
                      f"{' or '.join(fits) or 'null'}" + (" or null" if fits else ""))
     _require(lg.eval_episodes >= 0, f"logging.eval_episodes={lg.eval_episodes} must be >= 0 (0 = no evaluation)")
     _require(lg.eval_max_steps >= 1, f"logging.eval_max_steps={lg.eval_max_steps} must be >= 1")
     _require(lg.video_max_frames >= 1, f"logging.video_max_frames={lg.video_max_frames} must be >= 1")
     if p.bootstrap_truncation and backend_of(e.name) is not None:
-        key, keeps = final_obs_option(e.name, e.options)
-        _require(keeps, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
+        from omegaconf import OmegaConf
+
+        key = envs.FINAL_OBS_OPTIONS[e.name]
+        keeps = OmegaConf.select(OmegaConf.create(dict(e.options)), key, default=False)
+        _require(keeps is True, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
                         f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
                         "ppo.bootstrap_truncation=false (CaRL's recipe)")
     if backend_of(e.name) is not None:  # the backend's own checks, on the training and on the evaluation options
@@ -612,20 +617,6 @@ def _benchmark_env(name: str) -> str:
     from omegaconf import OmegaConf
 
     return str(OmegaConf.load(CONF_DIR / "benchmark" / f"{name}.yaml").get("env", "sim"))
-
-
-def backend_layout(backend: str) -> str:
-    """The observation layout a built-in backend produces (``custom`` for others)."""
-    return envs.BACKEND_LAYOUTS.get(backend, "custom")
-
-
-def final_obs_option(name: str, options: dict[str, Any]) -> tuple[str, bool]:
-    """The ``env.options`` key under which backend ``name`` keeps the final observation of an episode (in
-    ``info["final_obs/<key>"]``), and whether ``options`` turn it on (nuPlan nests the simulator's options)."""
-    if name == "nuplan":
-        sim = options.get("sim") or {}
-        return "sim.keep_final_obs", bool(sim.get("keep_final_obs", False)) if isinstance(sim, dict) else False
-    return "keep_final_obs", bool(options.get("keep_final_obs", False))
 
 
 def cpu_has_bf16() -> bool:

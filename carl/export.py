@@ -75,7 +75,7 @@ def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: 
 
 def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = "uint8", onnx: bool = True,
                   onnx_exporter: str = "dynamo", overwrite: bool = False) -> dict[str, Any]:
-    """Checkpoint -> bundle directory (see the module docstring); returns the spec written to ``spec.json``."""
+    """Checkpoint -> bundle directory (the format: :mod:`carl.bundle`); returns the spec written to ``spec.json``."""
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 

@@ -27,6 +27,7 @@ from carl.config import ConfigError, TrainConfig
 
 LOCK_NAME = ".carl.lock"
 POLL_S = 0.5
+_REPLACED = object()  # the lock file was replaced between open and lock: try again at once
 
 
 class RunFolderBusy(ConfigError):
@@ -44,6 +45,8 @@ class Holder:
     proc_start: int  # the process's start time in clock ticks after boot (Linux), -1 where unknown: pid reuse check
 
     def describe(self) -> str:
+        if self.pid <= 0:
+            return "another process (its record is not written yet)"
         return f"{self.command} (pid {self.pid} on host {self.host}, since {self.started})"
 
     def alive_here(self) -> bool:
@@ -71,6 +74,9 @@ def _proc_start(pid: int) -> int | None:
         return -1
 
 
+UNKNOWN = Holder(0, "", "", "", -1)  # a holder that has locked but not yet written its record
+
+
 def _me() -> Holder:
     command = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
     return Holder(os.getpid(), socket.gethostname(), command, time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -86,11 +92,10 @@ def _read(fd: int) -> Holder | None:
         return None
 
 
-def busy(folder: Path, holder: Holder | None, key: str) -> RunFolderBusy:
-    who = holder.describe() if holder else "another process"
-    return RunFolderBusy(f"{key}={folder} is in use by {who}: one process writes in a run folder at a time. Wait "
-                         f"for it to end, or stop it{f' (kill {holder.pid})' if holder else ''}; the folder of a "
-                         "process that was killed is taken over")
+def busy(folder: Path, holder: Holder, key: str) -> RunFolderBusy:
+    stop = f"stop it (kill {holder.pid})" if holder.pid > 0 else "stop it"
+    return RunFolderBusy(f"{key}={folder} is in use by {holder.describe()}: one process writes in a run folder at a "
+                         f"time. Wait for it to end, or {stop}; the folder of a process that was killed is taken over")
 
 
 def holder(folder: str | Path) -> Holder | None:
@@ -105,11 +110,35 @@ def holder(folder: str | Path) -> Holder | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return recorded or Holder(-1, "?", "a process", "?", -1)
+            return recorded or UNKNOWN
         fcntl.flock(fd, fcntl.LOCK_UN)
         return recorded if recorded is not None and recorded.alive_here() else None
     finally:
         os.close(fd)
+
+
+def _try_take(path: Path) -> tuple[int | None, object]:
+    """One attempt at the lock: ``(fd, the dead holder's record or None)`` when it is ours, ``(None, holder)`` while
+    a living process holds it, ``(None, _REPLACED)`` when the file changed under us."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        recorded = _read(fd)
+        os.close(fd)
+        return None, recorded or UNKNOWN
+    try:  # the holder before us may have removed the file between our open and our lock: lock the new one
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None, _REPLACED
+    previous = _read(fd)
+    if previous is not None and previous.alive_here():  # a file system that ignores flock
+        os.close(fd)
+        return None, previous
+    return fd, previous
 
 
 class RunLock:
@@ -127,36 +156,19 @@ class RunLock:
         path = folder / LOCK_NAME
         deadline = time.monotonic() + max(wait_s, 0.0)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                recorded = _read(fd)
-                os.close(fd)
-                if time.monotonic() >= deadline:
-                    raise busy(folder, recorded, key) from None
-                time.sleep(POLL_S)
+            fd, record = _try_take(path)
+            if fd is not None:
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+                os.write(fd, json.dumps(asdict(_me())).encode())
+                os.fsync(fd)
+                self.fd, self.path = fd, path
+                return record
+            if record is _REPLACED:
                 continue
-            try:  # the holder before us may have removed the file between our open and our lock: lock the new one
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            previous = _read(fd)
-            if previous is not None and previous.alive_here():  # a file system that ignores flock
-                os.close(fd)
-                if time.monotonic() >= deadline:
-                    raise busy(folder, previous, key)
-                time.sleep(POLL_S)
-                continue
-            os.ftruncate(fd, 0)
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, json.dumps(asdict(_me())).encode())
-            os.fsync(fd)
-            self.fd, self.path = fd, path
-            return previous
+            if time.monotonic() >= deadline:
+                raise busy(folder, record, key)
+            time.sleep(POLL_S)
 
     def release(self) -> None:
         """Give the folder up (idempotent): the record goes, then the lock."""

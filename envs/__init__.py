@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # torch is imported by the backends; keep importers of envs.m
 BACKENDS = ("sim", "carla", "nuplan")
 # the observation layout (envs.api.LAYOUTS) each backend produces: what a policy trained on it reads
 BACKEND_LAYOUTS = {"sim": "carla", "carla": "carla", "nuplan": "nuplan"}
+# the option (a dotted path in env.options) that makes each backend keep an episode's final observation in
+# info["final_obs/<key>"]; nuPlan nests the simulator's options under `sim`
+FINAL_OBS_OPTIONS = {"sim": "keep_final_obs", "carla": "keep_final_obs", "nuplan": "sim.keep_final_obs"}
 
 
 def _unknown_backend(name: str) -> Exception:

@@ -49,6 +49,21 @@ def test_a_held_folder_is_refused_and_released(tmp_path: Path) -> None:
         assert again.acquire(tmp_path / "run") is None  # a clean release leaves nothing to take over
 
 
+def test_a_holder_without_a_record_is_named_without_a_pid(tmp_path: Path) -> None:
+    """Locked but not yet written (the holder is between flock and write): refused, and no `kill` is suggested."""
+    import fcntl
+
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(RunFolderBusy) as err:
+            RunLock().acquire(tmp_path)
+        assert "another process (its record is not written yet)" in str(err.value) and "(kill " not in str(err.value)
+        assert holder(tmp_path).pid == 0
+    finally:
+        os.close(fd)
+
+
 def test_a_dead_holder_is_taken_over(tmp_path: Path) -> None:
     pid = dead_pid()
     record(tmp_path, pid)
