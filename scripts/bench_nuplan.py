@@ -63,7 +63,7 @@ def main() -> None:
             dt = time.perf_counter() - t0
             print(json.dumps({"device": dev, "batch": b, "steps_per_s": round(a.steps * b / dt, 1),
                               "step_ms": round(dt / a.steps * 1e3, 2), "scenario_load_ms": round(load_ms, 2),
-                              "scenarios": len(env.scenarios), "reactive": a.reactive, "bev": not a.no_bev,
+                              "scenarios": len(env.data.scenarios), "reactive": a.reactive, "bev": not a.no_bev,
                               "threads": torch.get_num_threads()}), flush=True)
     tmp.cleanup()
 

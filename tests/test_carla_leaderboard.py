@@ -75,14 +75,14 @@ DRIVE = """
     import faulthandler, json, sys, torch, carla
     faulthandler.dump_traceback_later(float(sys.argv[4]), exit=True)  # every thread's stack, should it ever hang
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker
+    from envs.carla.worker import build_carla_env
     from carl.deploy.leaderboard_agent import CarlAgent
     from envs.maps.opendrive import world_to_carla
     rpc, tm, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=2, traffic_pedestrians=2, walker_ai=False,
                                 bev_size=32, bev_ppm=1.0, bev_ego_from_bottom=10, route_split="eval", num_routes=16,
                                 num_vehicles=8, num_pedestrians=4))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=0)  # spawns the hero at route 0's start and traffic, like the evaluator
+    w = build_carla_env(cc, sc, rpc, tm, seed=0)  # spawns the hero at route 0's start and traffic, like the evaluator
     ref = w.reset(seed=0)
     rid = int(w.state.route_id[0]); n = int(w.world.route_n[rid])
     pts = w.world.route_pts[rid, :n].numpy()
@@ -91,9 +91,9 @@ DRIVE = """
             for i in keep]
     agent = CarlAgent("127.0.0.1", rpc)
     agent.set_global_plan(None, plan)
-    agent.world = w.cworld  # the evaluator's world (CarlaDataProvider.get_world() under the leaderboard)
+    agent.world = w.data.cworld  # the evaluator's world (CarlaDataProvider.get_world() under the leaderboard)
     agent.setup(ckpt)
-    world = w.cworld
+    world = w.data.cworld
     s = world.get_settings(); s.fixed_delta_seconds = 0.05; world.apply_settings(s)  # the leaderboard's 20 Hz
     hero = w.actors.tracked.ego
     c0 = agent.run_step({}, 0.0)

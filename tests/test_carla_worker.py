@@ -91,17 +91,17 @@ def test_real_client_against_standin(standin) -> None:
 CONTROL_STEP = """
     import json, sys, torch
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker
+    from envs.carla.worker import build_carla_env
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, bev_size=32, bev_ppm=1.0,
                                 bev_ego_from_bottom=10, route_split="eval", num_routes=4, dt=0.05))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=0)
+    w = build_carla_env(cc, sc, rpc, tm, seed=0)
     w.reset(seed=0)
-    t0 = w.cworld.get_snapshot().timestamp.elapsed_seconds
+    t0 = w.data.cworld.get_snapshot().timestamp.elapsed_seconds
     for _ in range(4):
         w.step(torch.tensor([[0.0, 0.5]]))
-    t1 = w.cworld.get_snapshot().timestamp.elapsed_seconds
-    out = {"fixed": w.cworld.get_settings().fixed_delta_seconds, "elapsed": t1 - t0}
+    t1 = w.data.cworld.get_snapshot().timestamp.elapsed_seconds
+    out = {"fixed": w.data.cworld.get_settings().fixed_delta_seconds, "elapsed": t1 - t0}
     w.close()
     print(json.dumps(out))
 """
@@ -118,12 +118,12 @@ EQUALITY = """
     import json, sys, torch
     from pathlib import Path
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker
+    from envs.carla.worker import build_carla_env
     from envs.sim.env import SimEnv
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
                                 bev_size=64, route_split="eval", num_routes=16, carla_lights=False))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=3)
+    w = build_carla_env(cc, sc, rpc, tm, seed=3)
     sim = SimEnv(sc, 1, "cpu", seed=3)
     diff = lambda a, b: {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
     out = {"reset": diff(w.reset(seed=3), sim.reset(seed=3))}
@@ -155,13 +155,13 @@ POLICY_EQUALITY = """
     import json, sys, torch
     import carl
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker
+    from envs.carla.worker import build_carla_env
     from envs.sim.env import SimEnv
     rpc, tm, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     policy, spec = carl.load_policy(ckpt)
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
                                 bev_size=64, route_split="eval", num_routes=16, carla_lights=False))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=5)
+    w = build_carla_env(cc, sc, rpc, tm, seed=5)
     sim = SimEnv(sc, 1, "cpu", seed=5)
     diff = lambda a, b: {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
     ow, os_ = w.reset(seed=5), sim.reset(seed=5)
@@ -251,14 +251,14 @@ def test_options_are_validated() -> None:
 LIGHTS = """
     import json, sys, torch, carla
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker
+    from envs.carla.worker import build_carla_env
     from envs.sim.expert import Expert
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, traffic=False,
                                 bev_size=64, route_split="eval", num_routes=16))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=0)
+    w = build_carla_env(cc, sc, rpc, tm, seed=0)
     expert = Expert(w)
-    tls = list(w.cworld.get_actors().filter("traffic.traffic_light*"))
+    tls = list(w.data.cworld.get_actors().filter("traffic.traffic_light*"))
     def set_all(colour):
         for tl in tls:
             tl.set_state(colour)
@@ -269,7 +269,7 @@ LIGHTS = """
     set_all(carla.TrafficLightState.Green)
     obs = w.reset(seed=0)
     out = {"lights": len(tls), "groups": int(w.world.group_junction.shape[0]),
-           "matched": w.lights.carla.matched, "state": {"green": states()}}
+           "matched": w.data.lights.matched, "state": {"green": states()}}
     steps = 0
     while not ch5(obs) and steps < 600:  # the expert drives (on green) until a light is in view
         obs = w.step(expert(obs)).obs
@@ -310,27 +310,27 @@ def test_traffic_lights_set_on_the_server_reach_the_observation(standin) -> None
 VEHICLE_LIGHTS = """
     import json, sys, torch
     from envs.carla.config import split_options
-    from envs.carla.worker import CarlaWorker, actor_half
+    from envs.carla.worker import actor_half, build_carla_env
     from envs.maps.opendrive import carla_to_world
     from envs.sim.agents import LIGHT_BRAKE
     rpc, tm = int(sys.argv[1]), int(sys.argv[2])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=1, traffic_pedestrians=0, bev_size=32, bev_ppm=1.0,
                                 bev_ego_from_bottom=12, route_split="eval", num_routes=8, num_vehicles=4))
-    w = CarlaWorker(cc, sc, rpc, tm, seed=0)
+    w = build_carla_env(cc, sc, rpc, tm, seed=0)
     w.reset(seed=0)
     # a Traffic Manager car 25 m behind the standing ego, lights managed by the TM as the worker's own traffic
-    tf = w.cmap.get_waypoint(w.actors.tracked.ego.get_location()).previous(25.0)[0].transform
+    tf = w.data.cmap.get_waypoint(w.actors.tracked.ego.get_location()).previous(25.0)[0].transform
     tf.location.z += 0.5
-    follower = w.cworld.spawn_actor(w.cworld.get_blueprint_library().find("vehicle.audi.a2"), tf)
-    follower.set_autopilot(True, w.tm_port)
-    w.tm.update_vehicle_lights(follower, True)
+    follower = w.data.cworld.spawn_actor(w.data.cworld.get_blueprint_library().find("vehicle.audi.a2"), tf)
+    follower.set_autopilot(True, w.data.tm_port)
+    w.data.tm.update_vehicle_lights(follower, True)
     w.actors.tracked.vehicles.append(follower)
     w.actors.tracked.half[follower.id] = actor_half(follower)
     out = {"same_as_server": True, "braking_lit": 0, "braking_dark": 0, "lit_rows": 0}
     speed = 0.0
     for _ in range(60):
         w.step(torch.tensor([[0.0, -1.0]]))  # the ego brakes, standing
-        veh, flags = w.state.veh, w.cworld.get_vehicles_light_states()
+        veh, flags = w.state.veh, w.data.cworld.get_vehicles_light_states()
         for v in w.actors.tracked.vehicles:  # the row of each CARLA vehicle, by position
             loc = v.get_location()
             xy = torch.tensor(carla_to_world(loc.x, loc.y), dtype=torch.float32)

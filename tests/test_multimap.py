@@ -177,7 +177,7 @@ def test_leaderboard_density_per_town() -> None:
 
 def test_vehicle_slots_follow_the_rows_map() -> None:
     env = mm_env(6, num_vehicles=8)
-    env.map_vehicles = torch.tensor([8, 0, 3])  # as vehicles_per_map would give
+    env.actors.map_vehicles = torch.tensor([8, 0, 3])  # as vehicles_per_map would give
     env.reset()
     for _ in range(25):
         env.step(torch.zeros(6, 2))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from envs.nuplan.env import EGO_HALF, NuplanEnv, make_nuplan_env
+from envs.nuplan.env import EGO_HALF, make_nuplan_env
+from envs.sim.env import SimEnv
 from envs.nuplan.synthetic import make_synthetic_dataset
 from envs.config import ConfigError
 
@@ -22,7 +23,7 @@ def data(tmp_path_factory):
     return root, tmp_path_factory.mktemp("cache")
 
 
-def small(data, **kw) -> NuplanEnv:
+def small(data, **kw) -> SimEnv:
     root, cache = data
     return make_nuplan_env(3, "cpu", 0, cache_dir=str(cache), data_root=str(root), sim={"bev_size": 32, "bev_ego_from_bottom": 12}, **kw)
 
@@ -35,7 +36,7 @@ def test_env_steps_and_replays_the_log(data):
     s = env.state
     assert s.scenario.tolist() == [0, 1, 2]
     # the ego starts at the logged pose; vehicles follow the log frame by frame
-    log_xy = env.log_veh[s.scenario, 5, :, :2]
+    log_xy = env.data.log_veh[s.scenario, 5, :, :2]
     for _ in range(5):
         res = env.step(torch.zeros(3, 2))
     assert torch.allclose(env.state.veh.xy[:3], log_xy, atol=1e-4)

@@ -17,7 +17,7 @@ from envs.nuplan import dynamics
 from envs.nuplan.observation import (BOUNDARIES, DRIVABLE, EGO, LIGHTS, PEDESTRIANS, ROUTE, SPEED_LIMIT, STOP_LINES,
                                      VEHICLES, NuplanObserver, nuplan_measurements,
                                      nuplan_value_measurements, value)
-from envs.sim.parts import CarlaObserver
+from envs.sim.observation import CarlaObserver
 
 # CaRL's geometry: 256 x 256 at 2 px/m, the ego centre 100 px above the bottom edge (row 155, column 128)
 CARL = dict(town_seeds=(0,), num_routes=16, route_length=(150.0, 250.0), bev_size=256, bev_ppm=2.0,
@@ -31,7 +31,7 @@ def sim():
     env = make_env("sim", 1, "cpu", 0, **CARL)
     env.reset()
     obs = NuplanObserver()
-    obs.bind(env)
+    obs.bind(env.setup)
     return env, obs
 
 
@@ -71,27 +71,27 @@ def test_area_78_ahead_50_behind_64_to_each_side(sim):
     v = env.state.veh
     # 70 m ahead, 1.25 m half extent: rows 155 - 2 * 70 = 15 +- 2 px (2.5 px reach)
     put(env, v, 70.0)
-    bev = obs.render(env.state)[0, VEHICLES]
+    bev = obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES]
     assert rows_drawn(bev) == [13, 14, 15, 16, 17]
     assert torch.nonzero(bev[15]).flatten().tolist() == [126, 127, 128, 129, 130]
     # 77 m ahead: the centre is on row 1, the box is cut at the top edge
     put(env, v, 77.0)
-    assert rows_drawn(obs.render(env.state)[0, VEHICLES]) == [0, 1, 2, 3]
+    assert rows_drawn(obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES]) == [0, 1, 2, 3]
     # centre 78.5 m ahead (row -2: outside the area); its back would reach rows 0..2, but CaRL draws an object only
     # when its centre is in the area
     put(env, v, 78.5, half=(2.0, 1.0))
-    assert int(obs.render(env.state)[0, VEHICLES].sum()) == 0
+    assert int(obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES].sum()) == 0
     # 49 m behind: row 155 + 98 = 253; 51 m behind (row 257): gone
     put(env, v, -49.0)
-    assert rows_drawn(obs.render(env.state)[0, VEHICLES]) == [251, 252, 253, 254, 255]
+    assert rows_drawn(obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES]) == [251, 252, 253, 254, 255]
     put(env, v, -51.0)
-    assert int(obs.render(env.state)[0, VEHICLES].sum()) == 0
+    assert int(obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES].sum()) == 0
     # 60 m to the left: column 128 - 120 = 8; 65 m to the right: column 258 (outside)
     put(env, v, 0.0, left=60.0)
-    bev = obs.render(env.state)[0, VEHICLES]
+    bev = obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES]
     assert torch.nonzero(bev[EGO_ROW]).flatten().tolist() == [6, 7, 8, 9, 10]
     put(env, v, 0.0, left=-65.0)
-    assert int(obs.render(env.state)[0, VEHICLES].sum()) == 0
+    assert int(obs.render(env.state, env.light_lookup(env.state))[0, VEHICLES].sum()) == 0
 
 
 def test_channel_order_and_values(sim):
@@ -101,7 +101,7 @@ def test_channel_order_and_values(sim):
     put(env, s.veh, 20.0, half=(2.0, 1.0), speed=15.0)
     put(env, s.ped, 10.0, left=-8.0, speed=2.0)  # pedestrians: value(speed, 4)
     put(env, s.statics, -10.0, left=8.0)  # static objects: 127
-    bev = obs.render(s)[0]
+    bev = obs.render(s, env.light_lookup(s))[0]
     assert obs.spec()["bev"].names == NUPLAN_BEV_CHANNELS and bev.shape == (9, 256, 256)
     assert int(bev[VEHICLES, EGO_ROW - 40, EGO_COL]) == 191  # value(15, 30)
     assert int(bev[PEDESTRIANS, EGO_ROW - 20, EGO_COL + 16]) == 191  # value(2, 4)
@@ -139,16 +139,16 @@ def test_unknown_lights_are_not_drawn(sim):
         s.route_id[:] = route
         s.ego_xy[:] = near  # stand at the first signalled connector
         s.light_known = None
-        drawn = obs.render(s)[0, LIGHTS]
+        drawn = obs.render(s, env.light_lookup(s))[0, LIGHTS]
         assert int((drawn > 0).sum()) > 0
         assert set(drawn.unique().tolist()) <= {0, 80, 170, 255}
         G = env.world.group_junction.shape[0]
         s.light_known = torch.zeros(1, G, dtype=torch.bool)  # every status UNKNOWN
-        assert int(obs.render(s)[0, LIGHTS].sum()) == 0
+        assert int(obs.render(s, env.light_lookup(s))[0, LIGHTS].sum()) == 0
         groups = obs.tables()["light_group"][route]
         one = int(groups[groups >= 0][0])
         s.light_known[0, one] = True  # only this group is known: fewer pixels, still some
-        some = obs.render(s)[0, LIGHTS]
+        some = obs.render(s, env.light_lookup(s))[0, LIGHTS]
         assert 0 < int((some > 0).sum()) <= int((drawn > 0).sum())
     finally:
         s.route_id[:], s.ego_xy[:] = saved
@@ -166,7 +166,7 @@ def test_light_colours_follow_the_light_source(sim):
         s.ego_xy[:] = obs.tables()["light_p0"][route][obs.tables()["light_group"][route] >= 0][0]
         for state, colour in ((0, 80), (1, 170), (2, 255)):
             env.lights.state = lambda st, g, k=state: (torch.full_like(g, k), torch.zeros(g.shape))
-            assert set(obs.render(s)[0, LIGHTS].unique().tolist()) == {0, colour}
+            assert set(obs.render(s, env.light_lookup(s))[0, LIGHTS].unique().tolist()) == {0, colour}
     finally:
         s.route_id[:], s.ego_xy[:] = saved
         del env.lights.state  # the instance attribute: the class's method again
@@ -252,20 +252,20 @@ def test_logged_unknown_lights_on_the_synthetic_dataset(tmp_path):
     env = make_nuplan_env(1, "cpu", 0, cache_dir=str(tmp_path / "cache"), data_root=str(root), route_split="eval",
                           sim={"bev_size": 256, "bev_ego_from_bottom": 100})
     env.reset(seed=0)
-    obs = NuplanObserver()
-    obs.bind(env)
+    obs = NuplanObserver(env.data)
+    obs.bind(env.setup)
     s = env.state
     s.light_known = None
-    lights = env.log_lights.clone()
+    lights = env.data.log_lights.clone()
     try:
-        env.log_lights[:] = 2  # every group red
-        s.light_offset = env.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
-        red = obs.render(s)[0, LIGHTS]
+        env.data.log_lights[:] = 2  # every group red
+        s.light_offset = env.data.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
+        red = obs.render(s, env.light_lookup(s))[0, LIGHTS]
         assert int((red == 255).sum()) > 0 and set(red.unique().tolist()) == {0, 255}
-        env.log_lights[:] = 3  # every group UNKNOWN
-        s.light_offset = env.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
+        env.data.log_lights[:] = 3  # every group UNKNOWN
+        s.light_offset = env.data.light_offsets(s.scenario, s.steps, s.t, s.light_offset)
         assert obs.light_known(s).any().item() is False
-        assert int(obs.render(s)[0, LIGHTS].sum()) == 0
+        assert int(obs.render(s, env.light_lookup(s))[0, LIGHTS].sum()) == 0
     finally:
-        env.log_lights[:] = lights
+        env.data.log_lights[:] = lights
         del s.light_known

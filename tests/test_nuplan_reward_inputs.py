@@ -48,7 +48,7 @@ def test_expert_return_is_at_most_100_and_leaving_the_road_ends_the_episode(env_
     env = make_nuplan_env(3, "cpu", 0, route_split="eval", run_to_end=False, **env_args)
     act, obs = make_expert(env), env.reset(seed=0)
     returns = {}
-    for _ in range(env.num_frames):
+    for _ in range(env.data.num_frames):
         res = env.step(act(obs))
         obs = res.obs
         for row in torch.nonzero(res.terminated | res.truncated).flatten().tolist():
@@ -58,7 +58,7 @@ def test_expert_return_is_at_most_100_and_leaving_the_road_ends_the_episode(env_
     # full steering at full acceleration leaves the drivable polygons: a CaRL hard constraint ends the episode
     env = make_nuplan_env(3, "cpu", 0, route_split="eval", run_to_end=False, **env_args)
     env.reset(seed=0)
-    for _ in range(env.num_frames):
+    for _ in range(env.data.num_frames):
         res = env.step(torch.tensor([[1.0, 1.0]] * 3))  # (accel, steer)
         if res.terminated.any():
             break

@@ -8,7 +8,8 @@ import torch
 
 from envs.metrics.nuplan import MULTIPLIERS, WEIGHTS, ego_is_comfortable
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
-from envs.nuplan.env import NuplanEnv, make_nuplan_env
+from envs.nuplan.env import build_nuplan_env, make_nuplan_env
+from envs.sim.env import SimEnv
 from envs.nuplan.scoring import ttc_violation
 from envs.nuplan.expert import make_expert
 from envs.nuplan.synthetic import make_synthetic_dataset
@@ -22,16 +23,16 @@ def data(tmp_path_factory):
     return root, tmp_path_factory.mktemp("cache")
 
 
-def small(data, **kw) -> NuplanEnv:
+def small(data, **kw) -> SimEnv:
     root, cache = data
     return make_nuplan_env(3, "cpu", 0, cache_dir=str(cache), data_root=str(root), route_split="eval",
                            sim={"bev_size": 32, "bev_ego_from_bottom": 12}, **kw)
 
 
-def first_episodes(env: NuplanEnv, policy) -> dict[int, dict[str, float]]:
+def first_episodes(env: SimEnv, policy) -> dict[int, dict[str, float]]:
     obs = env.reset(seed=0)
     got: dict[int, dict[str, float]] = {}
-    for _ in range(env.num_frames + 5):
+    for _ in range(env.data.num_frames + 5):
         res = env.step(policy(obs))
         for row in torch.nonzero(res.terminated | res.truncated).flatten().tolist():
             got.setdefault(row, {k: float(v[row]) for k, v in res.info.items() if k.startswith("episode/")})
@@ -57,7 +58,7 @@ def test_expert_replay_scores_high(data, reactive):
     assert mean > (0.9 if not reactive else 0.6), eps
     # the expert is comfortable wherever the logged drive is (the log's yaw rate and its rate by finite differences)
     for ep in eps.values():
-        log = env.scenarios[int(ep["episode/scenario"])].ego.astype(np.float64)
+        log = env.data.scenarios[int(ep["episode/scenario"])].ego.astype(np.float64)
         yaw_rate = np.gradient(np.unwrap(log[:, 2]), 0.1)
         if ego_is_comfortable(log[:, 5], yaw_rate, np.gradient(yaw_rate, 0.1), log[:, 2], REAR_AXLE_TO_CENTRE):
             assert ep["episode/nuplan/comfort"] == 1.0
@@ -86,11 +87,11 @@ def test_at_fault_collision_scores_zero(data):
     env.reset(seed=0)
     s = env.state
     fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
-    env.log_veh[s.scenario, 1, 0, :2] = s.ego_xy + fwd * 4.0
-    env.log_veh[s.scenario, 1, 0, 2] = s.ego_yaw
-    env.log_veh[s.scenario, 1, 0, 3:5] = torch.tensor([4.5, 2.0])
-    env.log_veh[s.scenario, 1, 0, 5:7] = 0.0
-    env.log_veh_valid[s.scenario, 1, 0] = True
+    env.data.log_veh[s.scenario, 1, 0, :2] = s.ego_xy + fwd * 4.0
+    env.data.log_veh[s.scenario, 1, 0, 2] = s.ego_yaw
+    env.data.log_veh[s.scenario, 1, 0, 3:5] = torch.tensor([4.5, 2.0])
+    env.data.log_veh[s.scenario, 1, 0, 5:7] = 0.0
+    env.data.log_veh_valid[s.scenario, 1, 0] = True
     s.ego_speed[:] = 8.0
     res = env.step(torch.tensor([[1.0, 0.0]] * 3))
     assert res.terminated.all()
@@ -130,16 +131,16 @@ def test_each_scenario_runs_to_its_own_end_and_scores_the_same_in_any_batch(data
     base = small(data)
     # scenarios of different lengths: cut the logs of two of them short
     scenarios = [dataclasses.replace(sc, ego=sc.ego[:n], agents=sc.agents[:n], agent_valid=sc.agent_valid[:n],
-                                     lights=sc.lights[:n]) for sc, n in zip(base.scenarios, (151, 120, 97))]
-    opts = dataclasses.replace(base.opts, sim={"bev_size": 32, "bev_ego_from_bottom": 12})
-    env = NuplanEnv(scenarios, opts, 3)
+                                     lights=sc.lights[:n]) for sc, n in zip(base.data.scenarios, (151, 120, 97))]
+    opts = dataclasses.replace(base.data.opts, sim={"bev_size": 32, "bev_ego_from_bottom": 12})
+    env = build_nuplan_env(scenarios, opts, 3)
     together = first_episodes(env, make_expert(env))
     assert sorted(ep["episode/length"] for ep in together.values()) == [96, 119, 150]
     for row, ep in together.items():
-        sc = env.scenarios[int(ep["episode/scenario"])]
+        sc = env.data.scenarios[int(ep["episode/scenario"])]
         assert ep["episode/length"] == sc.num_frames - 1
         assert ep["episode/termination/scenario_end"] == 1.0 and ep["episode/termination/timeout"] == 0.0
-        alone_env = NuplanEnv([sc], opts, 1)
+        alone_env = build_nuplan_env([sc], opts, 1)
         alone = first_episodes(alone_env, make_expert(alone_env))[0]
         for k in ("episode/nuplan_score", *(f"episode/nuplan/{m}" for m in (*MULTIPLIERS, *WEIGHTS))):
             assert alone[k] == pytest.approx(ep[k], abs=1e-6), (sc.token, k)

@@ -57,13 +57,13 @@ def test_brake_light_box_over_the_vehicle_and_speed_value_elsewhere():
     env = frozen()
     put(env, env.state.veh, 12.0)
     env.state.veh.lights[:, 0] = LIGHT_BRAKE
-    bev = env._observe(env.state)["bev"][0, 3]
+    bev = env.observe(env.state)["bev"][0, 3]
     r, c = pixel(env, 12.0 - 1.5)  # brake box: 1.5 m behind the vehicle centre, 0.5 m half extent
     assert int(bev[r, c]) == 111
     r, c = pixel(env, 12.0 + 1.0)
     assert int(bev[r, c]) == 127 + math.floor(128 * (0.0 + 2.67) / 36.0)  # standing vehicle: 136
     env.state.veh.lights[:, 0] = 0
-    bev = env._observe(env.state)["bev"][0, 3]
+    bev = env.observe(env.state)["bev"][0, 3]
     r, c = pixel(env, 12.0 - 1.5)
     assert int(bev[r, c]) == 136
 
@@ -91,7 +91,7 @@ def test_simulator_vehicles_light_brakes_when_decelerating():
 def test_boxes_have_at_least_0_8_m_half_extent():
     env = frozen()
     put(env, env.state.statics, 10.0, half=(0.2, 0.2))  # a bollard: drawn 1.6 m x 1.6 m (3.2 px at 2 px/m)
-    bev = env._observe(env.state)["bev"][0, 8]
+    bev = env.observe(env.state)["bev"][0, 8]
     assert 9 <= int((bev == 255).sum()) <= 16
     r, c = pixel(env, 10.0, 0.7)
     assert int(bev[r, c]) == 255
@@ -102,7 +102,7 @@ def test_pedestrian_speed_line():
     put(env, env.state.ped, 10.0)
     env.state.ped.moving[:] = True
     env.state.ped.speed[:, 0] = 2.0  # line from the box front (0.8 m) forward by 2.0 m x 1 s
-    bev = env._observe(env.state)["bev"][0, 4]
+    bev = env.observe(env.state)["bev"][0, 4]
     value = int(speed_encoding(torch.tensor(2.0)))
     r, c = pixel(env, 10.0 + 0.8 + 1.5)
     assert int(bev[r, c]) == value
@@ -113,7 +113,7 @@ def test_pedestrian_speed_line():
 def test_measurements_gear_and_ego_frame_velocity():
     env = make_env("sim", 1, "cpu", 0, **{**SMALL, "bev": False, "traffic": False})
     env.reset()
-    m = env._observe(env.state)["measurements"][0]
+    m = env.observe(env.state)["measurements"][0]
     assert m[3] == 1.0 and m[4] == 0.0 and m[5] == 0.0  # standing: first gear, no velocity
     for _ in range(20):
         r = env.step(torch.tensor([[0.1, 1.0]]))  # full throttle, steering a little left

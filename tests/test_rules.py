@@ -22,7 +22,7 @@ def frozen_env(rules: str = "leaderboard", **kw) -> SimEnv:
     env = make_env("sim", 1, "cpu", 0, **{**SMALL, "rules": rules, "num_vehicles": 2, "num_pedestrians": 2,
                                           "num_statics": 2, **kw})
     env.reset()
-    env.actors.step = lambda s: None
+    env.actors.step = lambda s, lights: None
     env.actors.refresh = lambda s: None
     for group in (env.state.veh, env.state.ped, env.state.statics):
         group.valid[:] = False
@@ -160,7 +160,7 @@ def test_route_timeout_ends_a_creeping_route():
     """An ego creeping at v m/s under limit L gets T = 300 + v T / (0.1 L), i.e. T = 300 / (1 - v / (0.1 L))."""
     env = frozen_env(dt=1.0)  # 1 s ticks keep the test short
     limit = 10.0
-    env.world = dataclasses.replace(env.world, lane_speed=torch.full_like(env.world.lane_speed, limit))
+    env.setup.world = dataclasses.replace(env.world, lane_speed=torch.full_like(env.world.lane_speed, limit))
     w, s = env.world, env.state
     v = 0.25
 

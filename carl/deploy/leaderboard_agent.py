@@ -2,8 +2,8 @@
 
 The agent reads the world the evaluator runs (ego, vehicles, walkers, traffic lights, the map) through the CARLA
 client, mirrors it into the built-in simulator's state with the env worker's conversion code
-(:mod:`envs.carla.mapping`, :class:`envs.carla.worker.CarlaLights`), builds the observation with the simulator's own
-code (``SimEnv._observe``: the same BEV rasteriser and measurements as in training) and returns a
+(:mod:`envs.carla.mapping`, :class:`envs.carla.lights.CarlaLights`), builds the observation with the simulator's own
+code (``SimEnv.follow`` and ``SimEnv.observe``: the same tracking, BEV rasteriser and measurements as in training) and returns a
 ``carla.VehicleControl`` from the policy's action (:func:`envs.carla.worker.vehicle_control`).
 
 Like CaRL's own agent it reads actors from the world (privileged, as the BEV was in training); it asks for no camera
@@ -39,7 +39,8 @@ from torch import Tensor
 from carl.bundle import load_policy
 from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, fill_vehicles, graph_from_xodr,
                                 is_emergency, vehicle_lights)
-from envs.carla.worker import CarlaLights, CarlaLightSource, split_action, vehicle_control
+from envs.carla.lights import CarlaLights, CarlaLightSource
+from envs.carla.worker import split_action, vehicle_control
 from envs.maps.opendrive import carla_to_world
 from envs.routes import plan_route
 from envs.sim import infractions
@@ -103,23 +104,26 @@ def sim_config_for(spec: dict[str, Any], options: dict[str, Any] | None = None) 
     return from_dict(SimConfig, opts, "agent options").validate()
 
 
-class CarlaMirror(SimEnv):
+class CarlaMirror:
     """The simulator's state (batch of one) mirrored from a CARLA world someone else ticks.
 
-    It owns no CARLA actors and never moves anything: :meth:`observe` reads the ego and the other actors, updates the
-    route progress, the stop-line bookkeeping and the time like ``SimEnv.step`` does, and returns the simulator's
-    observation. ``keypoints`` [K, 2] (our frame) are connected along the lane graph like the route files are."""
+    It owns no CARLA actors and never moves anything: :meth:`observe` reads the ego and the other actors into the
+    state of a one-row simulator env (``self.env``: the map's world, CARLA's lights as its light source), lets the
+    env's tracking stage follow them (time, route progress, stop lines, timers: as in a training step) and returns the
+    env's observation. ``keypoints`` [K, 2] (our frame) are connected along the lane graph like the route files
+    are."""
 
     def __init__(self, cworld: Any, keypoints: np.ndarray, cfg: SimConfig, device: str | torch.device = "cpu",
                  carla_lights: bool = True, town: str | None = None):
         town = town or cworld.get_map().name.rsplit("/", 1)[-1]
         graph = graph_from_xodr(cworld.get_map().to_opendrive(), town, cfg.cache_dir)
         route = plan_route(graph, np.asarray(keypoints, np.float64), name=f"{town}_leaderboard")
-        world = build_world(graph, [route], cfg, torch.device(device))
-        self.light_src = CarlaLights(world, cworld, torch.device(device), carla_lights, "leaderboard agent")
-        super().__init__(cfg, 1, device, 0, world=world, lights=CarlaLightSource(self.light_src))
+        self.device = torch.device(device)
+        world = build_world(graph, [route], cfg, self.device)
+        self.light_src = CarlaLights(world, cworld, self.device, carla_lights, "leaderboard agent")
+        self.env = SimEnv(cfg, 1, self.device, 0, world=world, lights=CarlaLightSource(lambda: self.light_src))
         self.cworld = cworld
-        self.state = self._initial_state(torch.arange(1, device=self.device))
+        self.state = self.env.state = self.env.initial_state(torch.arange(1, device=self.device))
         self.state.statics.valid = torch.zeros_like(self.state.statics.valid)  # level geometry in CARLA
         self._started = False
 
@@ -147,24 +151,17 @@ class CarlaMirror(SimEnv):
 
     def observe(self, hero: Any, last_action: Tensor | None = None) -> dict[str, Tensor]:
         """The observation after the world moved on by ``cfg.dt`` (the first call: the episode's first one)."""
-        s, w, cfg = self.state, self.world, self.cfg
+        s, w = self.state, self.env.world
         self.read(hero)
         if last_action is not None:
             s.last_action = torch.tensor([split_action(last_action)], device=self.device)
         if self._started:
-            s.t = s.t + cfg.dt
-            s.steps = s.steps + 1
-            new_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
-            self._stop_lines(s, s.route_idx, new_idx)
-            s.route_idx, s.rc = new_idx, infractions.route_completion(w, s.route_id, new_idx)
-            s.still_time = torch.where(s.ego_speed < cfg.blocked_speed, s.still_time + cfg.dt, torch.zeros_like(s.t))
-            s.hist_speed = torch.cat((s.hist_speed[:, 1:], s.ego_speed.unsqueeze(1)), 1)
-            s.hist_yaw = torch.cat((s.hist_yaw[:, 1:], s.ego_yaw.unsqueeze(1)), 1)
+            self.env.follow(s)
         else:  # the episode starts where the ego stands
             s.route_idx = infractions.route_progress(w, s.route_id, s.route_idx, s.ego_xy)
             s.hist_yaw = s.ego_yaw.unsqueeze(1).repeat(1, s.hist_yaw.shape[1])
             self._started = True
-        return self._observe(s)
+        return self.env.observe(s)
 
 
 def read_agent_config(path: str | Path) -> dict[str, Any]:

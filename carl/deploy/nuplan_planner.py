@@ -8,7 +8,7 @@ What it does per simulation step:
 
 1. ``initialize``: the map patch around the route (our GeoPackage reader, ``maps_root``) is compiled into the
    built-in simulator's lane graph exactly as the scenario cache does it, with the route along the mission's
-   roadblocks, and held by a one-row :class:`~envs.nuplan.env.NuplanEnv` (no agents of its own);
+   roadblocks, and held by a one-row nuPlan env (:func:`~envs.nuplan.env.build_nuplan_env`; no agents of its own);
 2. ``compute_planner_trajectory``: the devkit's ego state, tracked objects and traffic-light statuses are written
    into that env's state and the observation is built by the env's own (shared) observation part
    (:class:`ObservationBuilder`) in the layout the policy was trained with (the bundle's ``observation_layout``:
@@ -42,20 +42,23 @@ from envs.api import ACTIONS, LAYOUT_CARLA, LAYOUT_NUPLAN, action_permutation
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario
 from envs.nuplan.config import NuplanOptions
 from envs.nuplan.dynamics import WHEELBASE, bicycle_step
-from envs.nuplan.env import NuplanEnv, grid_shifts
+from envs.nuplan.env import build_nuplan_env, grid_shifts
+from envs.nuplan.logs import ScenarioLogs
 from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import NuplanMap, load_location
 from envs.nuplan.dynamics import centre_kinematics
 from envs.nuplan.observation import NuplanObserver
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.infractions import route_progress
-from envs.sim.parts import CarlaObserver, Observer
+from envs.sim.observation import CarlaObserver
+from envs.sim.parts import Observer
 
 HORIZON_S, DT = 8.0, 0.1  # the devkit's default trajectory horizon and our simulation step
 PATCH_RADIUS = 80.0  # m around the route path
 LIGHT_STATUS = {"GREEN": 0, "YELLOW": 1, "RED": 2, "UNKNOWN": 3}
 ROLLOUT_ACTIONS = ACTIONS  # the action order rollout_trajectory's ``act`` returns (bicycle_step's default order)
-OBSERVERS: dict[str, type[Observer]] = {LAYOUT_CARLA: CarlaObserver, LAYOUT_NUPLAN: NuplanObserver}
+OBSERVERS: dict[str, Callable[[ScenarioLogs], Observer]] = {LAYOUT_CARLA: lambda logs: CarlaObserver(),
+                                                            LAYOUT_NUPLAN: NuplanObserver}
 
 ActionFn = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -102,7 +105,7 @@ def route_path(m: NuplanMap, start: np.ndarray, roadblocks: list[str]) -> np.nda
 
 class ObservationBuilder:
     """CaRL's observation for devkit-style inputs, built with the env's own observation part on a one-row
-    :class:`NuplanEnv` whose map patch covers the route. All poses are global (map frame); agents are [N, 7] arrays
+    nuPlan env (:func:`~envs.nuplan.env.build_nuplan_env`) whose map patch covers the route. All poses are global (map frame); agents are [N, 7] arrays
     of x, y, heading, length, width, vx, vy (box centres).
 
     ``layout``: the observation the policy expects (``carla`` or ``nuplan``, a bundle's ``observation_layout``);
@@ -132,11 +135,12 @@ class ObservationBuilder:
         self.shift = grid_shifts([sc.graph])[0]
         cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "carl_devkit_planner")
         opts = NuplanOptions(cache_dir=cache_dir, route_split="eval", sim=dict(sim or {})).validate()
-        self.env = NuplanEnv([sc], opts, 1, "cpu", 0)
+        self.env = build_nuplan_env([sc], opts, 1, "cpu", 0)
         self.env.reset(seed=0)
+        self.logs: ScenarioLogs = self.env.data  # this builder's own scenario: set_state writes its light statuses
         self.layout, self.action_names = layout, tuple(action_names)
-        self.observer = OBSERVERS[layout]()
-        self.observer.bind(self.env)
+        self.observer = OBSERVERS[layout](self.logs)
+        self.observer.bind(self.env.setup)
         self.frames = frames
 
     def to_world(self, xy: np.ndarray) -> np.ndarray:
@@ -162,7 +166,7 @@ class ObservationBuilder:
         la = np.asarray(last_action, np.float32).reshape(-1)
         steer_cmd, lon = la[action_permutation(self.action_names, ACTIONS)]
         s.last_action = f([[steer_cmd, max(lon, 0.0), max(-lon, 0.0)]])  # the CARLA layout's measurements
-        env_order = tuple(getattr(env, "action_names", ACTIONS))  # the nuPlan layout's: raw, in the env's order
+        env_order = self.logs.action_names  # the nuPlan layout's: raw, in the env's order
         s.raw_action = f(la[action_permutation(self.action_names, env_order)]).reshape(1, 2)
         for name, default in (("progress", 0.0), ("comfort_score", 1.0), ("ttc_score", 1.0)):
             if getattr(s, name, None) is None:  # critic-only values: the actor never reads them
@@ -197,17 +201,18 @@ class ObservationBuilder:
                             speed=sp, valid=v, xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(), moving=sp > 0.2)
         a, v = boxes(statics)
         s.statics = Statics(xy=a[..., :2].contiguous(), yaw=a[..., 2].contiguous(), half=a[..., 3:5] / 2, valid=v)
-        state = torch.full((env.log_lights.shape[-1],), 3, dtype=torch.long)
+        state = torch.full((self.logs.log_lights.shape[-1],), 3, dtype=torch.long)
         for lc, status in lights.items():
             if int(lc) in self.light_col:
                 state[self.light_col[int(lc)]] = int(status)
-        env.log_lights[0, :] = state  # every frame: the observation reads the frame of s.steps
+        self.logs.log_lights[0, :] = state  # every frame: the observation reads the frame of s.steps
         zero = torch.zeros(1, dtype=torch.long)
-        s.light_offset = env.light_offsets(zero, zero, s.t, s.light_offset)
+        s.light_offset = self.logs.light_offsets(zero, zero, s.t, s.light_offset)
 
     def observe(self) -> dict[str, Tensor]:
         """The observation of the state written by :meth:`set_state`, in the policy's layout."""
-        return self.observer.observe(self.env.state)
+        s = self.env.state
+        return self.observer.observe(s, self.env.light_lookup(s))
 
 
 def propagate(agents: np.ndarray, dt: float) -> np.ndarray:

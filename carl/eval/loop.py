@@ -102,7 +102,7 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             store.add(make_record(0, name_of(rid), ep, length, group.name, rid, time.perf_counter() - t0,
                                   float(group.options.get("dt", 0.1))))
             if "episode/nuplan_score" in ep:
-                store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.scenario_types[rid])
+                store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.data.scenario_types[rid])
                 store.write()
             pending.discard(row)
             recorded += 1

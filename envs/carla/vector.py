@@ -1,6 +1,6 @@
 """N CARLA workers, one subprocess and one CARLA server each, behind :class:`envs.api.BatchedEnv`.
 
-Each worker process owns one :class:`envs.carla.worker.CarlaWorker` (and, with ``launch``, its
+Each worker process owns one env of :func:`envs.carla.worker.build_carla_env` (and, with ``launch``, its
 :class:`envs.carla.servers.CarlaServer` on a port block the parent allocated, so blocks never clash). Workers run in
 their own processes because the ``carla`` client aborts its whole process on malformed data or errors in its
 background threads. Crashes inside a worker (server death, client time-outs) are handled by the worker itself; if a
@@ -79,7 +79,7 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
     owned: list[CarlaServer | None] = [None]
     if main_pid is not None:  # first of all: a worker never outlives the main process
         threading.Thread(target=_watch_parent, args=(main_pid, owned), daemon=True, name="carla-parent-watch").start()
-    from envs.carla.worker import CarlaWorker  # noqa: PLC0415 - imported in the child
+    from envs.carla.worker import build_carla_env  # noqa: PLC0415 - imported in the child
 
     server = None
     env = None
@@ -94,7 +94,7 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
             server.start()
             conn.send(("server", server.proc.pid))
             server.wait_ready()
-        env = CarlaWorker(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
+        env = build_carla_env(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
         conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high, v.names)
                                       for k, v in env.observation_spec.items()},
                              "route_names": env.route_names, "route_lengths": env.route_lengths}))

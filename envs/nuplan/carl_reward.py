@@ -1,6 +1,6 @@
 """What CaRL's nuPlan reward reads, measured by the nuPlan env each step (``carl-reference.md`` §18).
 
-The rules live in :mod:`envs.reward` (``mode="carl_nuplan"``); this step hook measures their inputs from the env's
+The rules live in :mod:`envs.reward` (``mode="carl_nuplan"``); this reward part measures their inputs from the env's
 state, batched: route completion as the ego centre's projection onto the logged expert's centre path, off-road
 (any corner outside CaRL's drivable polygons: lane groups, intersections, car parks; 0 m tolerance), the current
 lane's centre and boundary distances and speed limit, off-route (ego and expert centre against the route's roadblock
@@ -19,13 +19,16 @@ from torch import Tensor
 from envs.comfort import rear_axle_to_center_acceleration
 from envs.reward import NuplanRewardInputs, NuplanRewardState, compute_reward
 from envs.sim.geometry import box_corners, boxes_overlap, boxes_overlap_moving, points_in_polygons
-from envs.sim.parts import StepHook
+from envs.sim.rewards import Reward
+from envs.sim.rules import Judgement
+from envs.sim.state import obstacles
 from envs.sim.world import lane_lookup
 
 if TYPE_CHECKING:
     from envs.nuplan.cache import CachedScenario
-    from envs.nuplan.env import NuplanEnv, NuplanState
+    from envs.nuplan.logs import NuplanState, ScenarioLogs
     from envs.nuplan.mapgraph import PolygonSet
+    from envs.sim.state import Setup
 
 TTC_TIMES = (0.2, 0.4, 0.6, 0.8, 1.0)  # s: CaRL's TTC v2 forecast grid
 HARD_REASONS = ("collision", "off_road")
@@ -79,21 +82,22 @@ def project_on_paths(points: Tensor, paths: Tensor, cum: Tensor) -> Tensor:
     return torch.where(total > 1e-6, arc / total.clamp(min=1e-6), torch.zeros_like(arc)).squeeze(1)
 
 
-class CarlNuplanReward(StepHook):
-    """CaRL's nuPlan reward when ``reward.mode == "carl_nuplan"`` (else the core's reward stays); its state is
-    ``NuplanState.reward_nuplan`` (kept here, batched, reset per row) and it sets ``progress``, ``comfort_score`` and
-    ``ttc_score`` on the state for the critic's value measurements."""
+class CarlNuplanReward(Reward):
+    """CaRL's nuPlan reward (``reward.mode == "carl_nuplan"``); its state (:class:`NuplanRewardState`) is kept here,
+    batched, reset per row, and it sets ``progress``, ``comfort_score`` and ``ttc_score`` on the state for the
+    critic's value measurements. Its hard constraints end episodes, except where the devkit's closed loop runs every
+    scenario to its end (``ScenarioLogs.run_to_end``)."""
 
-    env: NuplanEnv
+    mode = "carl_nuplan"
 
-    def bind(self, env: NuplanEnv) -> None:
-        super().bind(env)
-        self.on = env.cfg.reward.mode == "carl_nuplan"
+    def __init__(self, logs: ScenarioLogs):
+        self.logs = logs
+
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
         self.last_hard: dict[str, Tensor] = {}  # this step's hard constraints, for the termination reasons
-        if not self.on:
-            return
-        dev, sc = env.device, env.scenarios
-        self.paths, self.cum = (t.to(dev) for t in logged_centre_paths(sc, env.rear_to_centre))
+        dev, sc = setup.device, self.logs.scenarios
+        self.paths, self.cum = (t.to(dev) for t in logged_centre_paths(sc, self.logs.rear_to_centre))
         self.drivable = [t.to(dev) if isinstance(t, Tensor) else t for t in edge_table([s.carl_drivable for s in sc])]
         self.route = [t.to(dev) if isinstance(t, Tensor) else t for t in edge_table([s.route_polygons for s in sc])]
         self.has_drivable = torch.tensor([len(s.carl_drivable) > 0 for s in sc], device=dev)
@@ -102,21 +106,17 @@ class CarlNuplanReward(StepHook):
 
     def _alloc(self, s: NuplanState) -> None:
         n = s.veh.valid.shape[1] + s.ped.valid.shape[1] + s.statics.valid.shape[1]
-        self.state = NuplanRewardState.zeros(self.env.num_envs, self.env.device, num_objects=n,
-                                             history=self.env.num_frames + 1)
+        self.state = NuplanRewardState.zeros(self.setup.num_envs, self.setup.device, num_objects=n,
+                                             history=self.logs.num_frames + 1)
 
-    def start(self, s: NuplanState, rows: Tensor) -> None:
-        s.progress = torch.zeros_like(s.ego_speed)
-        s.comfort_score, s.ttc_score = torch.ones_like(s.ego_speed), torch.ones_like(s.ego_speed)
-        if not self.on:
-            return
+    def reset(self, s: NuplanState, rows: Tensor) -> None:
         if self.state is None:
             self._alloc(s)
-        B = self.env.num_envs
-        mask = torch.zeros(B, dtype=torch.bool, device=self.env.device)
+        B = self.setup.num_envs
+        mask = torch.zeros(B, dtype=torch.bool, device=self.setup.device)
         mask[rows] = True
         self.state.reset(mask)
-        acc = rear_axle_to_center_acceleration(s.ego_accel, s.ego_yaw_rate, s.ego_yaw_acc, self.env.rear_to_centre)
+        acc = rear_axle_to_center_acceleration(s.ego_accel, s.ego_yaw_rate, s.ego_yaw_acc, self.logs.rear_to_centre)
 
         def full(v: Tensor) -> Tensor:
             out = torch.zeros(B, dtype=v.dtype, device=v.device)
@@ -125,18 +125,15 @@ class CarlNuplanReward(StepHook):
 
         self.state.record_state(full(acc.lon), full(acc.lat), full(s.ego_yaw), full(acc.rear_magnitude), mask)
 
-    def reward(self, s: NuplanState) -> tuple[Tensor, Tensor] | None:
-        if not self.on:
-            return None
-        env = self.env
+    def reward(self, s: NuplanState, judged: Judgement) -> Tensor:
         inp = self._inputs(s)
-        terms = compute_reward(inp, self.state, env.cfg.reward)
+        terms = compute_reward(inp, self.state, self.setup.cfg.reward)
         s.progress = self.state.rc_best.to(s.ego_speed.dtype)
         s.comfort_score, s.ttc_score = terms.factors["comfort"], terms.factors["ttc"]
         self.last_hard = {k: terms.factors[k] for k in HARD_REASONS}
-        # the devkit's closed loop runs every scenario to its end
-        ends = torch.zeros_like(terms.terminated) if env.run_to_end else terms.terminated
-        return terms.reward.to(s.ego_speed.dtype), ends
+        if not self.logs.run_to_end:  # the devkit's closed loop runs every scenario to its end
+            judged.end_more(terms.terminated)
+        return terms.reward.to(s.ego_speed.dtype)
 
     def episode_info(self, s: NuplanState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         if not self.last_hard:
@@ -146,12 +143,12 @@ class CarlNuplanReward(StepHook):
 
     # ------------------------------------------------------------------ the inputs
     def _inputs(self, s: NuplanState) -> NuplanRewardInputs:
-        env, w = self.env, self.env.world
-        d = env.rear_to_centre
+        w = self.setup.world
+        d = self.logs.rear_to_centre
         fwd = torch.stack((torch.cos(s.ego_yaw), torch.sin(s.ego_yaw)), -1)
         centre = s.ego_rear + (d * fwd).double()  # scenario frame, float64
         rc = project_on_paths(centre, self.paths[s.scenario], self.cum[s.scenario])
-        half = env.ego_half
+        half = self.setup.ego_half
         corners = box_corners(centre.float(), s.ego_yaw, half)  # [B, 4, 2] scenario frame
         edges, owner, n_poly = self.drivable
         inside = points_in_polygons(corners, edges[s.scenario], owner[s.scenario], n_poly)
@@ -168,7 +165,7 @@ class CarlNuplanReward(StepHook):
         in_route = points_in_polygons(torch.stack((centre, expert), 1).float(), redges[s.scenario],
                                       rowner[s.scenario], r_poly)
         acc = rear_axle_to_center_acceleration(s.ego_accel, s.ego_yaw_rate, s.ego_yaw_acc, d)
-        xy, yaw, speed, obj_half, valid = env.obstacles(s, include_ego=False)
+        xy, yaw, speed, obj_half, valid = obstacles(s, half, include_ego=False)
         ego_v = fwd * s.ego_speed.unsqueeze(-1)
         other_v = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * speed.unsqueeze(-1)
         ttc = (boxes_overlap_moving(s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), half.unsqueeze(1),

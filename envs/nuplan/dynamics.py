@@ -17,7 +17,7 @@ from envs.sim.geometry import wrap_angle
 from envs.sim.parts import EgoDynamics
 
 if TYPE_CHECKING:
-    from envs.nuplan.env import NuplanEnv, NuplanState
+    from envs.nuplan.logs import NuplanState, ScenarioLogs
 
 WHEELBASE = 3.089
 EGO_HALF = (2.588, 1.1485)  # (4.049 + 1.127) / 2, 2.297 / 2
@@ -69,7 +69,8 @@ class NuplanBicycle(EgoDynamics):
     the log has none); the yaw rate is the model's ``v tan(δ) / L`` and the yaw acceleration its finite
     difference, as nuPlan's model reports them."""
 
-    env: NuplanEnv
+    def __init__(self, logs: ScenarioLogs):
+        self.shifts, self.action_names = logs.shifts, logs.action_names
 
     def reset(self, s: NuplanState, rows: Tensor) -> None:
         z = torch.zeros_like(s.ego_speed)
@@ -78,9 +79,9 @@ class NuplanBicycle(EgoDynamics):
         s.ego_acc_local = torch.stack((s.ego_accel, z), -1)
 
     def step(self, s: NuplanState, action: Tensor) -> None:
-        env, dt = self.env, self.env.cfg.dt
+        dt, names = self.setup.cfg.dt, self.action_names
         rear, yaw, speed, accel, steer = bicycle_step(s.ego_rear, s.ego_yaw, s.ego_speed, s.ego_accel, s.ego_steer,
-                                                      action, dt, env.action_names)
+                                                      action, dt, names)
         kin = centre_kinematics(speed, accel, steer, s.ego_steer, s.ego_yaw_rate, dt)
         s.ego_yaw_rate, s.ego_yaw_acc, s.ego_steer_rate = kin["yaw_rate"], kin["yaw_acc"], kin["steer_rate"]
         s.ego_rear, s.ego_steer, s.ego_speed, s.ego_accel, s.ego_yaw = rear, steer, speed, accel, yaw
@@ -88,8 +89,7 @@ class NuplanBicycle(EgoDynamics):
         s.ego_vel_local = torch.stack(kin["vel"], -1)  # the centre moves with the yaw rate's lateral part too
         d = REAR_AXLE_TO_CENTRE
         fwd = torch.stack((torch.cos(yaw), torch.sin(yaw)), -1)
-        s.ego_xy = (rear + env.shifts[s.scenario]).float() + d * fwd
+        s.ego_xy = (rear + self.shifts[s.scenario]).float() + d * fwd
         s.raw_action = action.clone()
-        names = env.action_names
         steer_cmd, acc_cmd = action[:, names.index("steer")], action[:, names.index("accel")]
         s.last_action = torch.stack((steer_cmd, acc_cmd.clamp(min=0.0), (-acc_cmd).clamp(min=0.0)), -1)

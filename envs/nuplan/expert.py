@@ -3,10 +3,16 @@ a speed P-controller) through CaRL's action mapping. ``carl-eval policy=expert``
 the "expert-like" reference of the closed-loop score tests. It reads the env's privileged state (scenario, step)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 from torch import Tensor
 
 from envs.nuplan.dynamics import MAX_ACCEL, MAX_DECEL, MAX_STEER, WHEELBASE
+
+if TYPE_CHECKING:
+    from envs.nuplan.logs import ScenarioLogs
+    from envs.sim.env import SimEnv
 
 LOOKAHEAD_FRAMES = 8  # 0.8 s ahead on the logged path
 MIN_LOOKAHEAD = 3.0  # m
@@ -14,15 +20,16 @@ SPEED_HORIZON = 0.5  # s to reach the logged speed
 POSITION_GAIN = 1.0  # 1/s²: acceleration per metre behind (or ahead of) the logged pose
 
 
-def make_expert(env):  # noqa: ANN001 - NuplanEnv (import cycle)
-    """The expert's policy function for ``env`` (actions in the env's ``action_names`` order). It works in each
-    scenario's own frame (``log_ego_local``, ``ego_rear``), so it drives the same in any batch."""
-    order = env.action_names
+def make_expert(env: SimEnv) -> Callable[[dict[str, Tensor] | None], Tensor]:
+    """The expert's policy function for a nuPlan ``env`` (actions in its logs' ``action_names`` order). It works in
+    each scenario's own frame (``log_ego_local``, ``ego_rear``), so it drives the same in any batch."""
+    logs: ScenarioLogs = env.data
+    order = logs.action_names
 
     def act(obs: dict[str, Tensor] | None = None) -> Tensor:
         s = env.state
-        last = env.num_frames - 1
-        log = env.log_ego_local[s.scenario]  # [B, T, 7] rear axle, scenario frame, float64
+        last = logs.num_frames - 1
+        log = logs.log_ego_local[s.scenario]  # [B, T, 7] rear axle, scenario frame, float64
         rows = torch.arange(len(s.scenario), device=s.scenario.device)
         nxt = (s.steps + 1).clamp(max=last)
         target = log[rows, (s.steps + LOOKAHEAD_FRAMES).clamp(max=last), :2]

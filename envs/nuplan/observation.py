@@ -27,10 +27,10 @@ NuplanObserver())``.
   scores (all 1.0 at reset).
 
 The measurements read these state fields (``NuplanState``): ``raw_action`` [B, 2] (the last action in the env's
-order, ``env.action_names``), ``ego_vel_local`` [B, 2], ``ego_acc_local`` [B, 2], ``ego_steer``,
+order, ``ScenarioLogs.action_names``), ``ego_vel_local`` [B, 2], ``ego_acc_local`` [B, 2], ``ego_steer``,
 ``ego_steer_rate``, ``ego_yaw_rate``, ``ego_yaw_acc``, ``steps``, ``horizon``, ``progress``, ``comfort_score``,
 ``ttc_score``. Light colours come from the env's light source; which groups are known comes from ``s.light_known``
-[B, G] when the state has it, else from the env's logged statuses (``env.log_lights``, 3 = UNKNOWN), else every
+[B, G] when the state has it, else from the logged statuses (``ScenarioLogs.log_lights``, 3 = UNKNOWN), else every
 group counts as known.
 """
 from __future__ import annotations
@@ -53,10 +53,11 @@ from envs.sim.world import bev_reach_m
 from envs.sim.observation import bev_config
 from envs.sim.parts import Observer
 from envs.sim.raster import BevConfig, crop_index, crop_static, draw_boxes, draw_segments, world_to_bev
-from envs.sim.world import World
+from envs.sim.world import LightFn, World
 
 if TYPE_CHECKING:
-    from envs.sim.env import SimEnv, SimState
+    from envs.nuplan.logs import ScenarioLogs
+    from envs.sim.state import Setup, SimState
 
 # channel indices (envs.api.NUPLAN_BEV_CHANNELS)
 DRIVABLE, ROUTE, BOUNDARIES, LIGHTS, STOP_LINES, SPEED_LIMIT, VEHICLES, PEDESTRIANS, EGO = range(9)
@@ -221,31 +222,35 @@ class NuplanObserver(Observer):
 
     layout = LAYOUT_NUPLAN
 
-    def bind(self, env: SimEnv) -> None:
-        super().bind(env)
-        self.bev: BevConfig = bev_config(env.cfg)
-        self._tables: dict | None = None  # built at the first render (the env's logs exist by then)
+    def __init__(self, logs: ScenarioLogs | None = None):
+        self.logs = logs  # the scenarios' logs: the action order and which light statuses are known
+        self.order = logs.action_names if logs is not None else NUPLAN_ACTIONS
+
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
+        self.bev: BevConfig = bev_config(setup.cfg)
+        self._tables: dict | None = None  # built at the first render
         self._known_table: Tensor | None = None
 
     def spec(self) -> dict[str, TensorSpec]:
-        n = self.env.cfg.bev_size
+        n = self.setup.cfg.bev_size
         return {OBS_BEV: TensorSpec((len(NUPLAN_BEV_CHANNELS), n, n), torch.uint8, 0, 255, NUPLAN_BEV_CHANNELS),
                 OBS_MEASUREMENTS: TensorSpec((len(NUPLAN_MEASUREMENTS),), torch.float32, names=NUPLAN_MEASUREMENTS),
                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(NUPLAN_VALUE_MEASUREMENTS),), torch.float32,
                                                    names=NUPLAN_VALUE_MEASUREMENTS)}
 
-    def observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
-        order = tuple(getattr(self.env, "action_names", NUPLAN_ACTIONS))  # NuplanEnv's env.options.action_order
-        obs = {OBS_MEASUREMENTS: nuplan_measurements(s, order), OBS_VALUE_MEASUREMENTS: nuplan_value_measurements(s)}
-        obs[OBS_BEV] = self.render(s) if self.env.cfg.bev else self.blank_bev()
+    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+        obs = {OBS_MEASUREMENTS: nuplan_measurements(s, self.order),
+               OBS_VALUE_MEASUREMENTS: nuplan_value_measurements(s)}
+        obs[OBS_BEV] = self.render(s, lights) if self.setup.cfg.bev else self.blank_bev()
         return obs
 
     # ------------------------------------------------------------------ the BEV
     def tables(self) -> dict:
         """The per-world tables the BEV is drawn from (built once)."""
         if self._tables is None:
-            w = self.env.world
-            p0, p1, group = route_light_segments(w, bev_reach_m(self.env.cfg) + LIGHT_REACH_MARGIN_M)
+            w = self.setup.world
+            p0, p1, group = route_light_segments(w, bev_reach_m(self.setup.cfg) + LIGHT_REACH_MARGIN_M)
             self._tables = {"layers": static_layers(w), "route_lanes": route_block_lanes(w), "light_p0": p0,
                             "light_p1": p1, "light_group": group,
                             "light_values": torch.tensor(LIGHT_VALUES, dtype=torch.uint8, device=w.device)}
@@ -257,43 +262,41 @@ class NuplanObserver(Observer):
         known = getattr(s, "light_known", None)
         if known is not None:
             return known
-        env = self.env
-        log, scenario, scenarios = (getattr(env, "log_lights", None), getattr(s, "scenario", None),
-                                    getattr(env, "scenarios", None))
-        if log is None or scenario is None or scenarios is None:
+        st, scenario = self.setup, getattr(s, "scenario", None)
+        if self.logs is None or scenario is None:
             return None
-        G = int(env.world.group_junction.shape[0])
+        log, scenarios = self.logs.log_lights, self.logs.scenarios
+        G = int(st.world.group_junction.shape[0])
         if self._known_table is None:  # scenario k's column j is world group offset[k] + j (LaneGraph.concatenate)
             counts = [len(sc.graph.light_junction) for sc in scenarios]
             offset = np.cumsum([0] + counts)[:-1]
             table = np.full((len(scenarios), log.shape[-1]), G, np.int64)
             for k, (o, c) in enumerate(zip(offset, counts)):
                 table[k, :c] = o + np.arange(c)
-            self._known_table = torch.as_tensor(table, device=env.device)
-        status = log[scenario, torch.as_tensor(s.steps, device=env.device).clamp(0, log.shape[1] - 1)]
-        known = torch.zeros(len(scenario), G + 1, dtype=torch.bool, device=env.device)  # other scenarios: unknown
+            self._known_table = torch.as_tensor(table, device=st.device)
+        status = log[scenario, torch.as_tensor(s.steps, device=st.device).clamp(0, log.shape[1] - 1)]
+        known = torch.zeros(len(scenario), G + 1, dtype=torch.bool, device=st.device)  # other scenarios: unknown
         known.scatter_(1, self._known_table[scenario], status != LIGHT_UNKNOWN)
         return known[:, :G]
 
-    def render(self, s: SimState) -> Tensor:
+    def render(self, s: SimState, lights: LightFn) -> Tensor:
         """The 9-channel BEV of every row of ``s``."""
-        env, bc, tb = self.env, self.bev, self.tables()
+        w, bc, tb = self.setup.world, self.bev, self.tables()
         B, dev = s.ego_xy.shape[0], s.ego_xy.device
         out = torch.zeros(B, len(NUPLAN_BEV_CHANNELS), bc.size, bc.size, dtype=torch.uint8, device=dev)
         crop_static(tb["layers"], [0, 1, 2], s.ego_xy, s.ego_yaw, bc, out=out,
                     out_channels=[DRIVABLE, BOUNDARIES, SPEED_LIMIT])
         pose = (s.ego_xy, s.ego_yaw, bc)
         # route: road pixels whose lane is one of the route's roadblock lanes
-        lanes = crop_index(env.world.raster, "lane_of_pixel", lambda: lane_of_pixel(env.world), s.ego_xy, s.ego_yaw,
-                           bc)
-        member = torch.zeros(B, env.world.graph.num_lanes + 1, dtype=torch.bool, device=dev)
+        lanes = crop_index(w.raster, "lane_of_pixel", lambda: lane_of_pixel(w), s.ego_xy, s.ego_yaw, bc)
+        member = torch.zeros(B, w.graph.num_lanes + 1, dtype=torch.bool, device=dev)
         member.scatter_(1, tb["route_lanes"][s.route_id] + 1, True)
         member[:, 0] = False
         on_route = member.gather(1, (lanes.view(B, -1).long() + 1)).view_as(lanes) & (out[:, DRIVABLE] > 0)
         out[:, ROUTE] = on_route.view(torch.uint8) * 255
         # traffic lights on the connector baselines (UNKNOWN: not drawn)
         group = tb["light_group"][s.route_id]
-        state, _ = env.lights.state(s, group)
+        state, _ = lights(group)
         colour = tb["light_values"][state.clamp(0, 2)]
         show = group >= 0
         known = self.light_known(s)
@@ -309,7 +312,7 @@ class NuplanObserver(Observer):
                    value(p.speed, PEDESTRIAN_VMAX), p.valid & self.in_area(p.xy, s), *pose, max_extent_m=1.0)
         draw_boxes(out[:, PEDESTRIANS], st.xy, st.yaw, st.half, STATIC_VALUE, st.valid & self.in_area(st.xy, s),
                    *pose, max_extent_m=MAX_HALF_EXTENT_M)
-        ego_half = env.ego_half[:1].expand(B, 2)
+        ego_half = self.setup.ego_half[:1].expand(B, 2)
         draw_boxes(out[:, EGO], s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), ego_half.unsqueeze(1),
                    value(s.ego_speed, VEHICLE_VMAX).unsqueeze(1), torch.ones(B, 1, dtype=torch.bool, device=dev),
                    *pose, max_extent_m=MAX_HALF_EXTENT_M)

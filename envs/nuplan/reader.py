@@ -28,6 +28,7 @@ from envs.data import data_path
 PLANNING_LIDAR = "MergedPointCloud"
 DURATION_S, OFFSET_S, SUBSAMPLE = 15.0, -3.0, 0.5
 DB_INTERVAL_S = 0.05  # lidar_pc rate of the logs (20 Hz); a scenario frame is DB_INTERVAL_S / SUBSAMPLE apart
+FRAME_S = DB_INTERVAL_S / SUBSAMPLE  # 0.1 s between scenario frames: the nuPlan env's step
 # a gap between consecutive scenario frames above this many frame intervals means at least one frame is missing;
 # 1.75 (not 1.5) so that one dropped 20 Hz lidar frame (a 1.5-interval step, which the devkit also produces) passes
 MAX_GAP_FRAMES = 1.75

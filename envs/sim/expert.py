@@ -6,14 +6,19 @@ lights, and stop signs until it has stopped. Batched like the simulator: one cal
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from envs.sim import agents, infractions
 from envs.sim.dynamics import DRAG, ROLLING
-from envs.sim.env import SimEnv
 from envs.sim.observation import upcoming_stop_lines
+from envs.sim.state import obstacles
 from envs.sim.geometry import to_local, wrap_angle
+
+if TYPE_CHECKING:  # the env is what these read, not a dependency of theirs
+    from envs.sim.env import SimEnv
 
 PATH_POINTS = 24  # path samples ahead (every 2 m)
 PATH_STEP = 2
@@ -58,7 +63,7 @@ class Expert:
         v0 = limit * self.speed_fraction
         v0 = torch.where(turning, v0.clamp(max=TURN_SPEED), v0)
         # --- obstacles near the path
-        a_xy, a_yaw, a_speed, a_half, a_valid = env.obstacles(s, include_ego=False)
+        a_xy, a_yaw, a_speed, a_half, a_valid = obstacles(s, env.ego_half, include_ego=False)
         a_dir = torch.stack((torch.cos(a_yaw), torch.sin(a_yaw)), -1)
         future = a_xy + a_dir * (a_speed * 1.5).unsqueeze(-1)
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 0.5  # [B,N]

@@ -4,12 +4,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from envs.api import BEV_CHANNELS
+from envs.api import (BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
+                      VALUE_MEASUREMENTS, TensorSpec)
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
 from envs.reward import RewardConfig
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER
 from envs.sim.config import SimConfig
+from envs.sim.infractions import lane_measures
+from envs.sim.parts import Observer
 from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
 from envs.sim.world import LightFn, World
 
@@ -143,3 +146,27 @@ def value_measurements(world: World, s, cfg: SimConfig, reward_cfg: RewardConfig
         ((cfg.max_time - s.t) / cfg.max_time).unsqueeze(-1),
         (1.0 - s.still_time / cfg.blocked_time).clamp(0.0, 1.0).unsqueeze(-1),
         remaining.unsqueeze(-1), ttc.unsqueeze(-1), comfort), -1)
+
+
+class CarlaObserver(Observer):
+    """CaRL's CARLA observation (``carl-reference.md`` §2): the 10-channel BEV, 8 measurements and 10 critic values.
+    Every backend's default."""
+
+    layout = LAYOUT_CARLA
+
+    def spec(self) -> dict[str, TensorSpec]:
+        cfg = self.setup.cfg
+        bev = (len(BEV_CHANNELS), cfg.bev_size, cfg.bev_size)
+        return {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255, BEV_CHANNELS),
+                OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
+                OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
+                                                   names=VALUE_MEASUREMENTS)}
+
+    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
+        w, cfg = self.setup.world, self.setup.cfg
+        if speed_limit is None:
+            speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]
+        obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
+               OBS_VALUE_MEASUREMENTS: value_measurements(w, s, cfg, cfg.reward)}
+        obs[OBS_BEV] = render_bev(w, s, cfg, lights) if cfg.bev else self.blank_bev()
+        return obs

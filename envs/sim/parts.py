@@ -1,55 +1,69 @@
 """The parts a simulator core (:class:`envs.sim.env.SimEnv`) is assembled from, and the built-in simulator's own.
 
-A backend is the core plus its parts (composition, as in Waymax), not a subclass that overrides the step. The core
-owns the state layout, the clock, route progress, the infraction checks, the reward, auto-reset and the
-observation; the parts decide how the world moves. They are bound to the core they serve (:meth:`Part.bind`: its
-world, config, random generator and device) and called at fixed points:
+A backend is the core plus its parts (composition, as in Waymax), not a subclass. The core owns the state layout,
+the clock and the order of the step (``docs/architecture.md``); the parts decide how the world moves (starts, ego,
+actors, lights), what the rules are (:mod:`envs.sim.rules`), what the reward is (:mod:`envs.sim.rewards`), what is
+observed (:class:`Observer`) and what more is measured (:class:`Metrics`). Each part gets the env's fixed
+:class:`~envs.sim.state.Setup` once (:meth:`Part.bind`) and, per call, the state and what else it reads (a light
+lookup, the rules' judgement); a backend's own data (nuPlan's logs, CARLA's session) goes to its parts when they are
+built. No part reaches another through the core.
 
 * fresh episodes for rows ``rows``: ``starts.pick`` -> ``starts.place`` -> ``ego.reset`` -> ``actors.reset`` ->
-  ``lights.reset`` (the random draws of the built-in simulator follow this order);
-* a step: ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` -> route progress, infractions,
-  reward (``lights.state`` answers light queries throughout) -> ``hook.episode_info`` -> ``hook.end_step`` ->
-  auto-reset of finished rows -> ``actors.refresh`` -> the observation (``observer.observe``; ``reset`` ends with
-  it too).
+  ``lights.reset`` -> ``reward.reset`` -> ``metrics.reset`` (the random draws of the built-in simulator follow this
+  order);
+* a step: ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` -> ``rules.track`` ->
+  ``rules.judge`` -> ``metrics.record`` -> ``reward.reward`` -> episode statistics -> auto-reset of finished rows
+  -> ``actors.refresh`` -> ``observer.observe`` (``reset`` ends with it too).
 
 Every call is batched over the rows of the state it gets. Parts may keep their own per-row state in an extension of
-the state dataclass (``SimEnv(state_type=...)``, e.g. :class:`envs.nuplan.env.NuplanState`), filled in ``reset``.
+the state dataclass (``SimEnv(state_type=...)``, e.g. :class:`envs.nuplan.logs.NuplanState`), filled in ``reset``.
 """
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from envs.api import (BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
-                      VALUE_MEASUREMENTS, TensorSpec)
+from envs.api import ACTIONS, OBS_BEV, TensorSpec
 from envs.sim import agents
 from envs.sim.dynamics import GEAR_UP_SPEEDS, bicycle_step
 from envs.sim.geometry import wrap_angle
-from envs.sim.infractions import HISTORY, lane_measures
-from envs.sim.observation import measurements, render_bev, value_measurements
-from envs.sim.world import light_state
-
-if TYPE_CHECKING:
-    from envs.sim.env import SimEnv, SimState
+from envs.sim.infractions import HISTORY
+from envs.sim.state import Setup, SimState, obstacles
+from envs.sim.world import LightFn, light_state
 
 RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
 
 
 class Part:
-    """Something the core calls at fixed points of its step; ``env`` is the core, set by :meth:`bind`."""
+    """Something the core calls at fixed points of its step; ``setup`` is set by :meth:`bind`."""
 
-    env: SimEnv
+    setup: Setup
 
-    def bind(self, env: SimEnv) -> None:
-        """Attach the part to the core that calls it (once, when the core is built)."""
-        self.env = env
+    def bind(self, setup: Setup) -> None:
+        """Attach the part to the env it serves (once, when the env is built)."""
+        self.setup = setup
 
 
 class StartSource(Part, abc.ABC):
-    """Where episodes start: the route (scenario) a fresh episode drives, and the ego's place on it."""
+    """Where episodes start: the route (scenario) a fresh episode drives, and the ego's place on it. Keeps the fixed
+    assignment of evaluation (row ``i`` drives route ``first_route + i``, then ``+ route_stride`` per episode)."""
+
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
+        self.stride = setup.cfg.route_stride or setup.num_envs  # rows advance by this many routes
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to the first routes of the fixed assignment."""
+        st = self.setup
+        self.next_route = (st.cfg.first_route + torch.arange(st.num_envs, device=st.device)) % st.world.num_routes
+
+    def advance(self, done: Tensor) -> None:
+        """Rows ``done`` [B] move on to their next route of the fixed assignment."""
+        self.next_route = torch.where(done, (self.next_route + self.stride) % self.setup.world.num_routes,
+                                      self.next_route)
 
     @abc.abstractmethod
     def pick(self, rows: Tensor) -> Tensor:
@@ -62,7 +76,9 @@ class StartSource(Part, abc.ABC):
 
 
 class EgoDynamics(Part, abc.ABC):
-    """How an action moves the ego."""
+    """How an action moves the ego; ``action_names`` names the action's components (the env's ``action_spec``)."""
+
+    action_names: tuple[str, ...] = ACTIONS
 
     def reset(self, s: SimState, rows: Tensor) -> None:
         """Initialise the model's own state of fresh episodes ``s`` (after the ego was placed); none by default."""
@@ -75,18 +91,22 @@ class EgoDynamics(Part, abc.ABC):
 
 
 class ActorSource(Part, abc.ABC):
-    """The other road users: ``s.veh``, ``s.ped`` and ``s.statics`` (padded to the core's slot counts)."""
+    """The other road users: ``s.veh``, ``s.ped`` and ``s.statics`` (padded to the setup's slot counts)."""
 
     @abc.abstractmethod
     def reset(self, s: SimState, rows: Tensor) -> None:
         """The actors of fresh episodes ``s`` (ego placed, light offsets not yet drawn)."""
 
     @abc.abstractmethod
-    def step(self, s: SimState) -> None:
-        """Advance the actors by ``cfg.dt`` (after the ego moved, before the clock advances)."""
+    def step(self, s: SimState, lights: LightFn) -> None:
+        """Advance the actors by ``cfg.dt`` (after the ego moved, before the clock advances); ``lights`` tells the
+        colour of the light groups now."""
 
     def refresh(self, s: SimState) -> None:
         """Last change before the observation is drawn, after finished rows restarted; nothing by default."""
+
+    def close(self) -> None:
+        """Release what the actors hold outside this process (a server's actors); nothing by default."""
 
 
 class LightSource(Part, abc.ABC):
@@ -104,32 +124,46 @@ class LightSource(Part, abc.ABC):
         """Light groups [B, N] (-1 = none) -> (state 0 green / 1 yellow / 2 red, seconds of yellow left)."""
 
 
-class StepHook(Part):
-    """Optional additions of a backend to each episode start and step; every method does nothing by default."""
+class Metrics(Part):
+    """More measurements of a backend's episodes (e.g. nuPlan's closed-loop score): they watch the step and never
+    change its outcome. Every method does nothing by default."""
+
+    def reset(self, s: SimState, rows: Tensor) -> None:
+        """Fresh episodes: ``s`` holds the new state of environments ``rows`` (``len(rows)`` rows), before it is
+        written into the batch."""
+
+    def record(self, s: SimState) -> None:
+        """Every step, once the rules have judged it (before the reward)."""
 
     def episode_info(self, s: SimState, done: Tensor, ending: Tensor, truncated: Tensor) -> dict[str, Tensor]:
         """More ``episode/...`` statistics of every row (``ending``: the events that ended the episode this step);
         asked after each step's checks and by ``SimEnv.running_episodes``."""
         return {}
 
-    def start(self, s: SimState, rows: Tensor) -> None:
-        """Fresh episodes: ``s`` holds the new state of environments ``rows`` (``len(rows)`` rows), before it is
-        written into the batch."""
 
-    def ends(self, s: SimState) -> Tensor | None:
-        """Rows whose episode ends this step by the backend's own clock (e.g. a logged scenario's last frame), before
-        the step's statistics are taken; such ends are truncations. None: no such rule."""
-        return None
+class Observer(Part, abc.ABC):
+    """The observation: what the policy and the critic see of a state, and its spec (``SimEnv.observation_spec``).
 
-    def reward(self, s: SimState) -> tuple[Tensor, Tensor] | None:
-        """A backend's own reward of this step and the rows its hard constraints end (terminations), in place of the
-        core's CaRL (CARLA) reward; None: the core's reward."""
-        return None
+    ``layout`` names it (``envs.api.LAYOUTS``); the spec names every BEV channel and measurement (``TensorSpec.names``)
+    so that a consumer (the trainer's policy, an exported bundle, a deployment adapter) never guesses."""
 
-    def end_step(self, s: SimState, terminated: Tensor, truncated: Tensor, info: dict[str, Tensor]) -> Tensor:
-        """The last word on a step before finished rows restart: may add to ``info`` and end more episodes (returns
-        ``truncated``)."""
-        return truncated
+    layout: str
+
+    @abc.abstractmethod
+    def spec(self) -> dict[str, TensorSpec]:
+        """Shape, dtype, bounds and names of every observation key (asked once, after :meth:`bind`)."""
+
+    @abc.abstractmethod
+    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+        """The observation of every row of ``s``; ``lights`` tells the colour of the light groups; ``speed_limit``
+        [B] (m/s at the ego) when the caller has it already (the step computed it for its checks), else the
+        observer looks it up if it needs it."""
+
+    def blank_bev(self) -> Tensor:
+        """The BEV of an env built with ``bev=False``: zeros as a broadcast view (no memory, nothing drawn)."""
+        shape = self.spec()[OBS_BEV].shape
+        return torch.zeros((1, *shape), dtype=torch.uint8, device=self.setup.device).expand(self.setup.num_envs,
+                                                                                            *shape)
 
 
 # ---------------------------------------------------------------------------------------------- the simulator's own
@@ -138,14 +172,14 @@ class RouteStarts(StartSource):
     ego stands at the route's first point, heading along it."""
 
     def pick(self, rows: Tensor) -> Tensor:
-        env = self.env
-        if env.cfg.route_split == "eval" or env.cfg.route_file:
-            return env.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
-        u = torch.rand(len(rows), generator=env.gen, device=env.device)  # each map by its weight
-        return torch.searchsorted(env.world.route_cdf, u, right=True).clamp(max=env.world.num_routes - 1)
+        st = self.setup
+        if st.cfg.route_split == "eval" or st.cfg.route_file:
+            return self.next_route[rows]  # fixed assignment: row i drives route i (mod the number of routes)
+        u = torch.rand(len(rows), generator=st.gen, device=st.device)  # each map by its weight
+        return torch.searchsorted(st.world.route_cdf, u, right=True).clamp(max=st.world.num_routes - 1)
 
     def place(self, s: SimState, rows: Tensor) -> None:
-        w, B, dev = self.env.world, len(rows), self.env.device
+        w, B, dev = self.setup.world, len(rows), self.setup.device
         p0 = w.route_pts[s.route_id, 0]
         d = w.route_pts[s.route_id, 1] - p0
         s.ego_xy, s.ego_yaw = p0, torch.atan2(d[:, 1], d[:, 0])
@@ -162,7 +196,7 @@ class KinematicBicycle(EgoDynamics):
     """:func:`envs.sim.dynamics.bicycle_step` with the car of the config; a1 > 0 throttle, a1 < 0 brake."""
 
     def step(self, s: SimState, action: Tensor) -> None:
-        cfg = self.env.cfg
+        cfg = self.setup.cfg
         steer = action[:, 0]
         throttle = action[:, 1].clamp(min=0.0)
         brake = (-action[:, 1]).clamp(min=0.0)
@@ -178,46 +212,47 @@ class SimTraffic(ActorSource):
     """IDM vehicles in lane coordinates, crosswalk pedestrians and parked obstacles (:mod:`envs.sim.agents`);
     vehicles far from the ego come back near it once a second."""
 
-    def bind(self, env: SimEnv) -> None:
-        super().bind(env)
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
         self.steps = 0
+        cfg = setup.cfg
+        self.map_vehicles = agents.vehicles_per_map(setup.world, cfg.num_vehicles, cfg.traffic_density) * cfg.traffic
 
     def reset(self, s: SimState, rows: Tensor) -> None:
-        env, cfg = self.env, self.env.cfg
-        w, B, dev, g = env.world, len(rows), env.device, env.gen
-        veh = agents.spawn_vehicles(w, B, env.num_vehicles, s.ego_xy, w.route_map[s.route_id], g)
+        st, cfg = self.setup, self.setup.cfg
+        w, B, dev, g = st.world, len(rows), st.device, st.gen
+        veh = agents.spawn_vehicles(w, B, st.num_vehicles, s.ego_xy, w.route_map[s.route_id], g)
         agents.respawn_vehicles(w, veh, s.ego_xy, s.route_id, s.route_idx, g, far=0.0, ahead=(15, 150),
                                 min_ego_dist=12.0)
         veh.valid &= self.slots(s.route_id)
-        near_idx = (torch.randint(20, 150, (B, env.num_pedestrians), generator=g, device=dev)
+        near_idx = (torch.randint(20, 150, (B, st.num_pedestrians), generator=g, device=dev)
                     ).clamp(max=(w.route_n[s.route_id] - 1).unsqueeze(1))
-        ped = agents.spawn_pedestrians(w, B, env.num_pedestrians,
+        ped = agents.spawn_pedestrians(w, B, st.num_pedestrians,
                                        w.route_pts[s.route_id.unsqueeze(1).expand_as(near_idx), near_idx], g)
-        ped.valid &= cfg.traffic & (torch.arange(env.num_pedestrians, device=dev) < cfg.num_pedestrians)
-        st = agents.spawn_statics(w, s.route_id, s.route_idx, env.num_statics, g)
-        st.valid &= cfg.traffic & (torch.arange(env.num_statics, device=dev) < cfg.num_statics)
-        s.veh, s.ped, s.statics = veh, ped, st
+        ped.valid &= cfg.traffic & (torch.arange(st.num_pedestrians, device=dev) < cfg.num_pedestrians)
+        statics = agents.spawn_statics(w, s.route_id, s.route_idx, st.num_statics, g)
+        statics.valid &= cfg.traffic & (torch.arange(st.num_statics, device=dev) < cfg.num_statics)
+        s.veh, s.ped, s.statics = veh, ped, statics
 
-    def step(self, s: SimState) -> None:
+    def step(self, s: SimState, lights: LightFn) -> None:
         # parked obstacles stand at the kerb, off the lanes: lane-following vehicles never need to stop for them (on
         # curves the straight leader corridor would sweep over them and hold vehicles there for good)
-        env = self.env
-        agents.step_vehicles(env.world, s.veh, env.obstacles(s, include_ego=True, include_statics=False),
-                             lambda g: env.lights.state(s, g), env.cfg, env.gen)
-        agents.step_pedestrians(env.world, s.ped, env.cfg.dt, env.gen)
+        st = self.setup
+        agents.step_vehicles(st.world, s.veh, obstacles(s, st.ego_half, include_ego=True, include_statics=False),
+                             lights, st.cfg, st.gen)
+        agents.step_pedestrians(st.world, s.ped, st.cfg.dt, st.gen)
 
     def refresh(self, s: SimState) -> None:
         """Move far-away vehicles back near the ego; density around it changes slowly, so once a second."""
         self.steps += 1
         if self.steps % RESPAWN_EVERY == 0:
-            agents.respawn_vehicles(self.env.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.env.gen)
+            agents.respawn_vehicles(self.setup.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.setup.gen)
             s.veh.valid &= self.slots(s.route_id)
 
     def slots(self, route_id: Tensor) -> Tensor:
-        """[B, A] bool: the vehicle slots in use on each row's map (its traffic density, ``env.map_vehicles``)."""
-        env = self.env
-        n = env.map_vehicles[env.world.route_map[route_id]]
-        return torch.arange(env.num_vehicles, device=env.device) < n.unsqueeze(1)
+        """[B, A] bool: the vehicle slots in use on each row's map (its traffic density)."""
+        n = self.map_vehicles[self.setup.world.route_map[route_id]]
+        return torch.arange(self.setup.num_vehicles, device=self.setup.device) < n.unsqueeze(1)
 
 
 class LightCycle(LightSource):
@@ -225,62 +260,10 @@ class LightCycle(LightSource):
     offset per junction and episode."""
 
     def reset(self, s: SimState, rows: Tensor) -> None:
-        env, cfg = self.env, self.env.cfg
+        st, cfg = self.setup, self.setup.cfg
         cycle = 4 * (cfg.light_green + cfg.light_yellow + cfg.light_all_red)
-        s.light_offset = torch.rand((len(rows), max(1, env.world.num_junctions)), generator=env.gen,
-                                    device=env.device) * cycle
+        s.light_offset = torch.rand((len(rows), max(1, st.world.num_junctions)), generator=st.gen,
+                                    device=st.device) * cycle
 
     def state(self, s: SimState, group: Tensor) -> tuple[Tensor, Tensor]:
-        return light_state(self.env.world, group, s.t, s.light_offset, self.env.cfg)
-
-
-# ---------------------------------------------------------------------------------------------- what the policy sees
-class Observer(Part, abc.ABC):
-    """The observation: what the policy and the critic see of a state, and its spec (``SimEnv.observation_spec``).
-
-    ``layout`` names it (``envs.api.LAYOUTS``); the spec names every BEV channel and measurement (``TensorSpec.names``)
-    so that a consumer (the trainer's policy, an exported bundle, a deployment adapter) never guesses."""
-
-    layout: str
-
-    @abc.abstractmethod
-    def spec(self) -> dict[str, TensorSpec]:
-        """Shape, dtype, bounds and names of every observation key (asked once, after :meth:`bind`)."""
-
-    @abc.abstractmethod
-    def observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
-        """The observation of every row of ``s``; ``speed_limit`` [B] (m/s at the ego) when the caller has it
-        already (the step computed it for its checks), else the observer looks it up if it needs it."""
-
-    def blank_bev(self) -> Tensor:
-        """The BEV of an env built with ``bev=False``: zeros as a broadcast view (no memory, nothing drawn)."""
-        env = self.env
-        spec = env.observation_spec[OBS_BEV]
-        return torch.zeros((1, *spec.shape), dtype=torch.uint8, device=env.device).expand(env.num_envs, *spec.shape)
-
-
-class CarlaObserver(Observer):
-    """CaRL's CARLA observation (``carl-reference.md`` §2; :mod:`envs.sim.observation`): the 10-channel BEV, 8
-    measurements and 10 critic values. Every backend's default."""
-
-    layout = LAYOUT_CARLA
-
-    def spec(self) -> dict[str, TensorSpec]:
-        cfg = self.env.cfg
-        bev = (len(BEV_CHANNELS), cfg.bev_size, cfg.bev_size)
-        return {OBS_BEV: TensorSpec(bev, torch.uint8, 0, 255, BEV_CHANNELS),
-                OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
-                OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
-                                                   names=VALUE_MEASUREMENTS)}
-
-    def observe(self, s: SimState, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
-        env = self.env
-        if speed_limit is None:
-            speed_limit = lane_measures(env.world, s.ego_xy, s.ego_yaw)["speed_limit"]
-        obs = {OBS_MEASUREMENTS: measurements(s, speed_limit),
-               OBS_VALUE_MEASUREMENTS: value_measurements(env.world, s, env.cfg, env.cfg.reward)}
-        if env.cfg.bev:
-            obs[OBS_BEV] = render_bev(env.world, s, env.cfg, lambda group: env.lights.state(s, group))
-        else:
-            obs[OBS_BEV] = self.blank_bev()
-        return obs
+        return light_state(self.setup.world, group, s.t, s.light_offset, self.setup.cfg)

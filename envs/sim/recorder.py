@@ -4,16 +4,18 @@ For people (``scripts/render_episode.py``, evaluation videos of the worst routes
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from envs.sim.env import SimEnv
 from envs.sim.observation import bev_config
 from envs.sim.raster import world_to_bev
 from envs.sim.render import bev_to_rgb, overlay_text
+
+if TYPE_CHECKING:  # the env is what these read, not a dependency of theirs
+    from envs.sim.env import SimEnv
 
 ROUTE_COLOUR = np.array((255, 0, 255), np.uint8)
 

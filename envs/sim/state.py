@@ -1,0 +1,96 @@
+"""The simulator's data: the batched episode state every stage reads and writes, and the fixed setup parts get.
+
+Waymax's split: datatypes here, the stages that change them in :mod:`envs.sim.rules` (and the parts of
+:mod:`envs.sim.parts`), the order of the step in :mod:`envs.sim.env`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+import torch
+from torch import Tensor
+
+from envs.reward import RewardState
+from envs.sim.agents import PEDESTRIAN_HALF, Pedestrians, Statics, Vehicles
+from envs.sim.config import SimConfig
+from envs.sim.criteria import CriteriaState
+from envs.sim.world import World
+
+@dataclass
+class SimState:
+    """Everything that changes during an episode, batched over environments. A backend whose parts keep per-row
+    state of their own extends it (e.g. :class:`envs.nuplan.logs.NuplanState`)."""
+
+    ego_xy: Tensor  # [B,2]
+    ego_yaw: Tensor
+    ego_speed: Tensor
+    ego_vel_local: Tensor  # [B,2] velocity in the ego frame (forward, left), m/s
+    gear: Tensor  # [B] float
+    last_action: Tensor  # [B,3] steer, throttle, brake
+    route_id: Tensor
+    route_idx: Tensor
+    rc: Tensor  # route completion %, 2 decimals
+    t: Tensor  # seconds since episode start
+    steps: Tensor
+    still_time: Tensor  # seconds below the blocked speed
+    light_offset: Tensor  # [B,J]
+    stop_done: Tensor  # the next stop sign on the route has been obeyed
+    hist_speed: Tensor  # [B,HISTORY]
+    hist_yaw: Tensor
+    veh: Vehicles
+    ped: Pedestrians
+    statics: Statics
+    reward_state: RewardState
+    ep_return: Tensor
+    counts: Tensor  # [B, len(INFRACTIONS)] int
+    outside_m: Tensor  # metres of route progress made outside the lanes
+    prev_soft: Tensor  # [B,4] bool: speeding, ttc, comfort, outside last step (to count events on rising edges)
+    crit: CriteriaState
+
+
+@dataclass
+class Setup:
+    """What a part may read besides the state, fixed when the env is built: its world, config, batch, device and
+    random stream, the actor slot counts (at least one each: empty groups keep their shape) and the ego's extent."""
+
+    cfg: SimConfig
+    world: World
+    num_envs: int
+    device: torch.device
+    gen: torch.Generator
+    num_vehicles: int
+    num_pedestrians: int
+    num_statics: int
+    ego_half: Tensor  # [B, 2] half length, half width
+
+    @classmethod
+    def build(cls, cfg: SimConfig, world: World, num_envs: int, device: torch.device, gen: torch.Generator
+              ) -> Setup:
+        return cls(cfg, world, num_envs, device, gen, max(1, cfg.num_vehicles), max(1, cfg.num_pedestrians),
+                   max(1, cfg.num_statics), torch.tensor(cfg.ego_half_extent, device=device).expand(num_envs, 2))
+
+
+def assign_rows(state, rows: Tensor, fresh) -> None:
+    """Write ``fresh`` (a state tree for ``len(rows)`` environments) into rows ``rows`` of ``state``, in place."""
+    for f in dataclasses.fields(state):
+        old, new = getattr(state, f.name), getattr(fresh, f.name)
+        if dataclasses.is_dataclass(old):
+            assign_rows(old, rows, new)
+        else:
+            old[rows] = new
+
+
+def obstacles(s: SimState, ego_half: Tensor, include_ego: bool, include_statics: bool = True) -> tuple[Tensor, ...]:
+    """All actors as padded obstacle tensors (xy, yaw, speed, half, valid): vehicles first, then (the ego,)
+    pedestrians, (statics)."""
+    p_half = torch.full_like(s.ped.xy, PEDESTRIAN_HALF)
+    p_speed = torch.where(s.ped.moving, s.ped.speed, torch.zeros_like(s.ped.speed))
+    groups = [(s.veh.xy, s.veh.yaw, s.veh.speed, s.veh.half, s.veh.valid)]
+    if include_ego:
+        groups.append((s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1),
+                       ego_half.unsqueeze(1), torch.ones_like(s.ego_speed, dtype=torch.bool).unsqueeze(1)))
+    groups.append((s.ped.xy, s.ped.yaw, p_speed, p_half, s.ped.valid))
+    if include_statics:
+        groups.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half,
+                       s.statics.valid))
+    return tuple(torch.cat(x, 1) for x in zip(*groups))
