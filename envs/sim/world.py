@@ -124,6 +124,50 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     route_map = np.zeros(len(routes), np.int64) if route_map is None else np.asarray(route_map, np.int64)
     weights = np.asarray(map_weights or [1.0] * M, np.float64)
     L = graph.num_lanes
+    lane_pts, lens, spacing = _resampled_lanes(graph)
+    lane_stop = np.full(L, -1, np.int64)
+    lane_stop[graph.stop_lane] = np.arange(len(graph.stop_lane))
+    graph = graph.with_control_rows()  # no lights/stop lines (roundabouts): an inert row keeps padded indices valid
+    spawn_lanes, spawn_cdf, lane_km, local_km = _spawn_tables(graph, lens, lane_offsets, M)
+    per_route = weights[route_map] / np.bincount(route_map, minlength=M)[route_map]
+    route_cdf = np.cumsum(per_route) / per_route.sum()
+    end_pts, end_dir = _stop_line_poses(graph)
+    seg_start, seg_end, seg_lane = _lane_segments(graph)
+    rt = _route_tables(routes, lane_stop)
+
+    t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
+    lane_pts_t, route_lane_t, spacing_t = t(lane_pts), t(rt["route_lane"]), t(spacing, torch.float32)
+    return World(
+        graph=graph, raster=raster, device=device,
+        lane_pts=lane_pts_t, lane_len=t(lens, torch.float32), lane_spacing=spacing_t,
+        lane_width=t(graph.width), lane_speed=t(graph.speed_limit), lane_junction=t(graph.is_junction),
+        lane_kerb=t(graph.right < 0), succ_off=t(graph.succ_offsets[:-1], torch.long),
+        succ_count=t(np.diff(graph.succ_offsets), torch.long), succ_idx=t(graph.succ_index, torch.long),
+        lane_stop=t(lane_stop), spawn_lanes=t(spawn_lanes, torch.long), spawn_cdf=t(spawn_cdf, torch.float32),
+        stop_control=t(graph.stop_control, torch.long), stop_group=t(graph.stop_light_group, torch.long),
+        stop_xy=t(end_pts, torch.float32), stop_yaw=t(np.arctan2(end_dir[:, 1], end_dir[:, 0]), torch.float32),
+        stop_width=t(graph.width[graph.stop_lane]),
+        group_junction=t(graph.light_junction, torch.long), group_phase=t(graph.light_phase, torch.long),
+        group_phases=t(graph.light_num_phases, torch.long),
+        num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
+        seg_start=t(seg_start, torch.float32), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
+        seg_width=t(graph.point_widths(), torch.float32),
+        crosswalks=t(graph.crosswalks),
+        route_pts=t(rt["route_pts"]), route_cum=t(rt["route_cum"]), route_len=t(rt["route_len"]),
+        route_n=t(rt["route_n"]), route_lane=route_lane_t,
+        route_s=_route_arc(lane_pts_t, spacing_t, route_lane_t, rt["route_pts"], device),
+        route_junction=t(graph.is_junction)[route_lane_t],
+        route_ev_idx=t(rt["ev_idx"]), route_ev_stop=t(rt["ev_stop"]), route_names=[r.name for r in routes],
+        map_names=list(map_names), route_map=t(route_map),
+        lane_map=t(np.repeat(np.arange(M), np.diff(lane_offsets)), torch.long), route_cdf=t(route_cdf, torch.float32),
+        map_lane_km=t(lane_km, torch.float32), map_local_lane_km=t(local_km, torch.float32),
+    )
+
+
+def _resampled_lanes(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every lane resampled at ~1 m (lane points [L, P, 2], padded by a tiny extrapolation past the end), the lanes'
+    lengths and their point spacing."""
+    L = graph.num_lanes
     lens = graph.lane_lengths().astype(np.float64)
     n_pts = np.maximum(2, np.ceil(lens / 1.0).astype(np.int64) + 1)
     pmax = int(n_pts.max())
@@ -135,14 +179,14 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         res = np.stack([np.interp(s, cum, p[:, 0]), np.interp(s, cum, p[:, 1])], -1)
         lane_pts[i, : n_pts[i]] = res
         lane_pts[i, n_pts[i]:] = res[-1] + (res[-1] - res[-2]) * np.arange(1, pmax - n_pts[i] + 1)[:, None] * 1e-3
-    spacing = lens / (n_pts - 1)
-    succ_off = graph.succ_offsets[:-1]
-    succ_count = np.diff(graph.succ_offsets)
-    lane_stop = np.full(L, -1, np.int64)
-    lane_stop[graph.stop_lane] = np.arange(len(graph.stop_lane))
-    graph = graph.with_control_rows()  # no lights/stop lines (roundabouts): an inert row keeps padded indices valid
-    # spawn places per map: map k's cumulative length weights run over (k, k + 1], so one searchsorted of
-    # ``map + uniform`` draws a place on the row's own map
+    return lane_pts, lens, lens / (n_pts - 1)
+
+
+def _spawn_tables(graph: LaneGraph, lens: np.ndarray, lane_offsets: np.ndarray, M: int) -> tuple[np.ndarray, ...]:
+    """Spawn places per map: map k's cumulative length weights run over (k, k + 1], so one searchsorted of
+    ``map + uniform`` draws a place on the row's own map. Returns (spawn lanes, their cdf, each map's lane km, its
+    lane km around a point)."""
+    L = graph.num_lanes
     spawn_parts, cdf_parts, lane_km, local_km = [], [], [], []
     for k in range(M):
         lo, hi = int(lane_offsets[k]), int(lane_offsets[k + 1])
@@ -158,17 +202,23 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         pts_k = graph.points[graph.offsets[lo]:graph.offsets[hi]]
         lane_km.append(float(lens[lo:hi].sum()) / 1000.0)
         local_km.append(_local_lane_km(pts_k, float(lens[lo:hi].sum()) / max(len(pts_k), 1)))
-    spawn_lanes, spawn_cdf = np.concatenate(spawn_parts), np.concatenate(cdf_parts)
-    per_route = weights[route_map] / np.bincount(route_map, minlength=M)[route_map]
-    route_cdf = np.cumsum(per_route) / per_route.sum()
-    # stop lines sit at lane ends
-    end_pts = np.stack([graph.lane_points(int(l))[-1] for l in graph.stop_lane]) if len(graph.stop_lane) else \
-        np.zeros((0, 2), np.float32)
-    end_dir = np.stack([graph.lane_points(int(l))[-1] - graph.lane_points(int(l))[-2] for l in graph.stop_lane]) \
-        if len(graph.stop_lane) else np.zeros((0, 2), np.float32)
-    seg_lane = np.repeat(np.arange(L), np.diff(graph.offsets))
-    # every lane point starts the segment to its successor; a lane's last point reuses its last segment, so no
-    # segment is degenerate (a zero-length one has no direction: lane heading 0 whatever the lane's)
+    return np.concatenate(spawn_parts), np.concatenate(cdf_parts), np.asarray(lane_km), np.asarray(local_km)
+
+
+def _stop_line_poses(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray]:
+    """Stop lines sit at lane ends: their points [S, 2] and the lanes' directions there."""
+    if not len(graph.stop_lane):
+        return np.zeros((0, 2), np.float32), np.zeros((0, 2), np.float32)
+    end_pts = np.stack([graph.lane_points(int(l))[-1] for l in graph.stop_lane])
+    end_dir = np.stack([graph.lane_points(int(l))[-1] - graph.lane_points(int(l))[-2] for l in graph.stop_lane])
+    return end_pts, end_dir
+
+
+def _lane_segments(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, lane) of the segment at every lane point: each point starts the segment to its successor; a
+    lane's last point reuses its last segment, so no segment is degenerate (a zero-length one has no direction:
+    lane heading 0 whatever the lane's)."""
+    seg_lane = np.repeat(np.arange(graph.num_lanes), np.diff(graph.offsets))
     idx = np.arange(len(graph.points))
     nxt = np.minimum(idx + 1, len(graph.points) - 1)
     prv = np.maximum(idx - 1, 0)
@@ -178,7 +228,13 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     has_prev[0] = False
     seg_start = np.where((last & has_prev)[:, None], graph.points[prv], graph.points)
     seg_end = np.where(last[:, None], graph.points, graph.points[nxt])
-    # routes
+    return seg_start, seg_end, seg_lane
+
+
+def _route_tables(routes: list[Route], lane_stop: np.ndarray) -> dict[str, np.ndarray]:
+    """The route bank padded to its longest route (by repeating the last point): points, lanes, lengths, arc
+    lengths, and each route's stop-line events (route point index where it leaves a lane with a stop line, the
+    stop line)."""
     R = max(len(r.points) for r in routes)
     NR = len(routes)
     route_pts = np.zeros((NR, R, 2), np.float32)
@@ -205,41 +261,21 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
             ev_idx[k, j], ev_stop[k, j] = i, s
     seg = np.linalg.norm(np.diff(route_pts, axis=1), axis=-1)
     route_cum = np.concatenate([np.zeros((NR, 1)), np.cumsum(seg, axis=1)], axis=1).astype(np.float32)
-    route_len = route_cum[np.arange(NR), route_n - 1]
+    return {"route_pts": route_pts, "route_lane": route_lane, "route_n": route_n, "ev_idx": ev_idx,
+            "ev_stop": ev_stop, "route_cum": route_cum, "route_len": route_cum[np.arange(NR), route_n - 1]}
 
-    t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
-    lane_pts_t = t(lane_pts)
-    route_lane_t = t(route_lane)
-    # arc position of each route point on its lane (nearest resampled lane point), chunked over routes
+
+def _route_arc(lane_pts: Tensor, spacing: Tensor, route_lane: Tensor, route_pts: np.ndarray,
+               device: torch.device) -> Tensor:
+    """Arc position of each route point on its lane (nearest resampled lane point), chunked over routes."""
+    NR, R = route_lane.shape
     route_s = torch.empty(NR, R, device=device)
-    spacing_t = t(spacing, torch.float32)
     for c in range(0, NR, 16):
-        lanes = route_lane_t[c:c + 16]
-        d = (lane_pts_t[lanes] - t(route_pts[c:c + 16]).unsqueeze(-2)).norm(dim=-1)
-        route_s[c:c + 16] = d.argmin(-1).float() * spacing_t[lanes]
-    return World(
-        graph=graph, raster=raster, device=device,
-        lane_pts=lane_pts_t, lane_len=t(lens, torch.float32), lane_spacing=spacing_t,
-        lane_width=t(graph.width), lane_speed=t(graph.speed_limit), lane_junction=t(graph.is_junction),
-        lane_kerb=t(graph.right < 0),
-        succ_off=t(succ_off, torch.long), succ_count=t(succ_count, torch.long), succ_idx=t(graph.succ_index, torch.long),
-        lane_stop=t(lane_stop), spawn_lanes=t(spawn_lanes, torch.long), spawn_cdf=t(spawn_cdf, torch.float32),
-        stop_control=t(graph.stop_control, torch.long), stop_group=t(graph.stop_light_group, torch.long),
-        stop_xy=t(end_pts, torch.float32), stop_yaw=t(np.arctan2(end_dir[:, 1], end_dir[:, 0]), torch.float32),
-        stop_width=t(graph.width[graph.stop_lane]),
-        group_junction=t(graph.light_junction, torch.long), group_phase=t(graph.light_phase, torch.long),
-        group_phases=t(graph.light_num_phases, torch.long),
-        num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
-        seg_start=t(seg_start, torch.float32), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
-        seg_width=t(graph.point_widths(), torch.float32),
-        crosswalks=t(graph.crosswalks),
-        route_pts=t(route_pts), route_cum=t(route_cum), route_len=t(route_len), route_n=t(route_n),
-        route_lane=route_lane_t, route_s=route_s, route_junction=t(graph.is_junction)[route_lane_t],
-        route_ev_idx=t(ev_idx), route_ev_stop=t(ev_stop), route_names=[r.name for r in routes],
-        map_names=list(map_names), route_map=t(route_map),
-        lane_map=t(np.repeat(np.arange(M), np.diff(lane_offsets)), torch.long), route_cdf=t(route_cdf, torch.float32),
-        map_lane_km=t(lane_km, torch.float32), map_local_lane_km=t(local_km, torch.float32),
-    )
+        lanes = route_lane[c:c + 16]
+        pts = torch.as_tensor(np.ascontiguousarray(route_pts[c:c + 16]), device=device)
+        d = (lane_pts[lanes] - pts.unsqueeze(-2)).norm(dim=-1)
+        route_s[c:c + 16] = d.argmin(-1).float() * spacing[lanes]
+    return route_s
 
 
 LightFn = Callable[[Tensor], tuple[Tensor, Tensor]]
