@@ -37,8 +37,10 @@ import torch
 from torch import nn
 
 from carl.checkpoint import CheckpointError, load_checkpoint
-from carl.policy import CarlPolicy, beta_mean_action, beta_sample
-from envs.api import (ACTIONS, BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, NUPLAN_ACTION_SCALING, OBS_BEV,
+from carl.config import MODEL_NAMES
+from carl.policy import CarlPolicy, beta_mean_action, beta_sample, make_policy
+from envs import options_schema
+from envs.api import (ACTIONS, BEV_CHANNELS, CONTROL_DT, LAYOUT_CARLA, MEASUREMENTS, NUPLAN_ACTION_SCALING, OBS_BEV,
                       OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS, TensorSpec, layout_of)
 
 BUNDLE_FORMAT = "carl-policy-bundle"
@@ -47,9 +49,7 @@ FILES = {"torchscript": "policy.ts", "onnx": "policy.onnx", "weights": "weights.
          "config": "config.yaml", "spec": "spec.json"}
 ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
 ONNX_OUTPUTS = ("action", "alpha", "beta")
-MODEL_NAMES = ("carl",)  # model.name values this code can rebuild
 
-BEV_DEFAULTS = {"bev_size": 128, "bev_ppm": 2.0, "bev_ego_from_bottom": 50}  # envs/sim/config.py defaults
 
 PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -95,10 +95,7 @@ def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], wh
     if missing:
         raise CheckpointError(f"{where} has no observation shape for {missing}; found {sorted(obs_shapes)}")
     try:
-        return CarlPolicy(_observation_spec(obs_shapes, layout), 2, int(model_cfg.get("features_dim", 256)),
-                          int(model_cfg.get("hidden_dim", 256)), int(model_cfg.get("fusion_dim", 512)),
-                          int(model_cfg.get("min_final_size", 1)),
-                          action_names=tuple((layout or {}).get("actions", ())))
+        return make_policy(_observation_spec(obs_shapes, layout), tuple((layout or {}).get("actions", ())), model_cfg)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: cannot rebuild the model ({exc})") from None
 
@@ -167,8 +164,9 @@ def bev_geometry(config: dict[str, Any], bev_size: int) -> dict[str, Any]:
     env = config.get("env", {}) or {}
     opts = dict(env.get("options", {}) or {})
     opts.update(opts.get("sim", {}) if isinstance(opts.get("sim"), dict) else {})  # nuPlan nests SimConfig options
-    ppm = float(opts.get("bev_ppm", BEV_DEFAULTS["bev_ppm"]))
-    from_bottom = int(opts.get("bev_ego_from_bottom", BEV_DEFAULTS["bev_ego_from_bottom"]))
+    defaults = options_schema("sim")()  # the simulator's BEV geometry where the config leaves it unset
+    ppm = float(opts.get("bev_ppm", defaults.bev_ppm))
+    from_bottom = int(opts.get("bev_ego_from_bottom", defaults.bev_ego_from_bottom))
     return {
         "bev_size": bev_size, "bev_ppm": ppm, "bev_ego_from_bottom": from_bottom,
         "metres_ahead": (bev_size - from_bottom) / ppm, "metres_behind": from_bottom / ppm,
@@ -210,8 +208,15 @@ def action_fields(names: list[str], env_name: str) -> list[dict[str, Any]]:
     return out
 
 
-def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8") -> dict[str, Any]:
-    """The ``spec.json`` content for ``policy`` trained with ``config``."""
+def control_dt_of(ckpt: dict[str, Any]) -> float:
+    """The control step of the env a checkpoint was trained on (older checkpoints: CaRL's 0.1 s, all they used)."""
+    return float((ckpt.get("extra") or {}).get("control_dt", CONTROL_DT))
+
+
+def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8",
+              control_dt: float = CONTROL_DT) -> dict[str, Any]:
+    """The ``spec.json`` content for ``policy`` trained with ``config`` on an env stepping ``control_dt`` seconds
+    (checkpoints record it; older ones were all trained at CaRL's 0.1 s)."""
     shapes = {k: list(v) for k, v in policy.obs_shapes.items()}
     c, h, _ = shapes[OBS_BEV]
     channels = _layout_names(policy, OBS_BEV, BEV_CHANNELS, c) or [f"channel_{i}" for i in range(c)]
@@ -242,7 +247,7 @@ def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any]
             "fields": action_fields(actions, env_name),
             "distribution": "Beta(alpha, beta) on [0, 1] mapped to [-1, 1] by a = 2x - 1",
             "deterministic": "Beta mean: a = 2 * alpha / (alpha + beta) - 1",
-            "control_period_s": 0.1,
+            "control_period_s": control_dt,
         },
         "bev_geometry": bev_geometry(config, h),
         "model": {**{k: v for k, v in (config.get("model") or {"name": "carl"}).items()},
@@ -432,7 +437,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
         raise ValueError(f"backend={backend!r} needs a bundle directory; {path} is a checkpoint (run carl-export)")
     policy, ckpt = policy_from_checkpoint(path, device)
     source = {"checkpoint": str(path.resolve()), "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
-    spec = make_spec(policy, ckpt.get("config") or {}, source)
+    spec = make_spec(policy, ckpt.get("config") or {}, source, control_dt=control_dt_of(ckpt))
     return LoadedPolicy(spec, device, deterministic, actor=Actor(policy)), spec
 
 

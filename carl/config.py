@@ -47,9 +47,12 @@ class EnvConfig:
     eval_options: dict[str, Any] = field(default_factory=lambda: {"route_split": "eval"})  # merged for eval envs
 
 
+MODEL_NAMES = ("carl",)  # model.name values this code builds (and rebuilds from files)
+
+
 @dataclass
 class ModelConfig:
-    """CaRL's network (carl/policy.py); the widths default to CaRL's."""
+    """CaRL's network (carl/policy.py); the widths default to CaRL's (declared here only)."""
 
     name: str = "carl"
     features_dim: int = 256
@@ -542,7 +545,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     _require(p.vf_coef >= 0, f"ppo.vf_coef={p.vf_coef} must be >= 0")
     _require(p.ent_coef >= 0, f"ppo.ent_coef={p.ent_coef} must be >= 0")
     _require(p.max_grad_norm > 0, f"ppo.max_grad_norm={p.max_grad_norm} must be > 0, e.g. ppo.max_grad_norm=0.5")
-    _require(cfg.model.name == "carl", f"model.name={cfg.model.name!r} is unknown; the only model is model=carl")
+    _require(cfg.model.name in MODEL_NAMES, f"model.name={cfg.model.name!r} is unknown; use one of "
+                                           f"{', '.join(MODEL_NAMES)} (model=carl)")
     for k in ("features_dim", "hidden_dim", "fusion_dim", "min_final_size"):
         v = getattr(cfg.model, k)
         _require(v >= 1, f"model.{k}={v} must be >= 1")

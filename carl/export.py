@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version,
+from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version, control_dt_of,
                          check_bundle, make_spec, policy_from_checkpoint, quiet_export, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
@@ -110,7 +110,7 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
 
     source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
               "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
-    spec = make_spec(policy, config, source, bev_dtype)
+    spec = make_spec(policy, config, source, bev_dtype, control_dt_of(ckpt))
     if not onnx:
         spec["files"].pop("onnx")
     spec["sha256"] = {name: sha256_file(out / name) for name in spec["files"].values()}

@@ -23,12 +23,14 @@ Inputs smaller than the all-stride-1 receptive field (23 px) are refused.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carl.config import ModelConfig
 from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
 
 # (out_channels, kernel, stride) of CaRL's roach_ln2 encoder at 256x256.
@@ -163,10 +165,10 @@ class CarlPolicy(nn.Module):
         self,
         observation_spec: dict[str, TensorSpec],
         action_dim: int = 2,
-        features_dim: int = 256,
-        hidden_dim: int = 256,
-        fusion_dim: int = 512,
-        min_final_size: int = 1,
+        features_dim: int = ModelConfig.features_dim,
+        hidden_dim: int = ModelConfig.hidden_dim,
+        fusion_dim: int = ModelConfig.fusion_dim,
+        min_final_size: int = ModelConfig.min_final_size,
         action_names: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
@@ -293,3 +295,16 @@ __all__ = [
     "describe",
     "plan_conv_stack",
 ]
+
+
+def make_policy(observation_spec: dict[str, TensorSpec], action_names: tuple[str, ...] = (),
+                model: ModelConfig | dict | None = None) -> CarlPolicy:
+    """The policy for an env's observations and actions and a ``model`` config (a :class:`ModelConfig` or its dict,
+    as checkpoints store it; missing widths are the defaults): the one road from a config to a network, for
+    training, bundles and benchmarks."""
+    if isinstance(model, dict):
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        model = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    m = model or ModelConfig()
+    return CarlPolicy(observation_spec, len(action_names) or 2, int(m.features_dim), int(m.hidden_dim),
+                      int(m.fusion_dim), int(m.min_final_size), action_names=tuple(action_names))

@@ -44,7 +44,7 @@ from carl.eval.store import headline
 from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
-from carl.policy import CarlPolicy, describe
+from carl.policy import CarlPolicy, describe, make_policy
 from carl.ppo import PPOTrainer
 from carl.runlock import RunLock, claim_run_dir
 from envs.api import BatchedEnv
@@ -207,7 +207,7 @@ class Checkpoints:
     def save(self, name: str, update: int, global_step: int, best_ds: float) -> None:
         if not self.ctx.is_main:
             return
-        extra: dict[str, Any] = {"best_driving_score": best_ds}
+        extra: dict[str, Any] = {"best_driving_score": best_ds, "control_dt": float(self.env.control_dt)}
         if self.ctx.distributed:
             extra.update(world_size=self.ctx.world_size, ranks=self.rank_states, sync=self.sync.state_dict())
         payload = ckpt_lib.make_checkpoint(self.policy, self.trainer.optimizer, update, global_step, self.signature,
@@ -241,9 +241,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
     say(f"run folder: {run_dir}", flush=True)
-    policy = CarlPolicy(env.observation_spec, env.action_spec.shape[0], cfg.model.features_dim,
-                        cfg.model.hidden_dim, cfg.model.fusion_dim, cfg.model.min_final_size,
-                        action_names=env.action_spec.names).to(device)
+    policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(device)
     signature = policy.signature()
     if cfg.parallel.compile:
         policy.compile()

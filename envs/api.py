@@ -12,7 +12,12 @@ Conventions
   backend says otherwise (CaRL's nuPlan order: accel, steer). Where ``terminated | truncated`` is true, the returned
   observation is already the first observation of the next episode (auto-reset), and ``info`` carries the finished
   episode's statistics under ``"episode/..."`` keys (valid only on those rows). If the env was built with
-  ``keep_final_obs=True`` the terminal observation is in ``info["final_obs/<key>"]``.
+  ``keep_final_obs=True`` the terminal observation is in ``info["final_obs/<key>"]``. :data:`INFO_KEYS` documents
+  the keys; :func:`episode_stats` and :func:`final_obs` read them.
+* ``control_dt`` is the simulated time of one step; ``max_episode_steps``, where an env has it, is a step count by
+  which every episode has ended by its rules.
+
+This module is the interface only: it imports no implementation.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import abc
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from envs.reward import COMFORT_METRICS
+CONTROL_DT = 0.1  # s: CaRL's control step (10 Hz), every backend's default ``dt``
+COMFORT_METRICS = ("lon_acc", "lat_acc", "jerk", "lon_jerk", "yaw_rate", "yaw_acc")  # nuPlan's six comfort checks
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,39 @@ def action_permutation(source: tuple[str, ...] | list[str], target: tuple[str, .
     return [src.index(n) for n in dst]
 
 
+# ---------------------------------------------------------------------------------------------- the info protocol
+DONE = "done"  # [B] bool: the row's episode ended this step
+EPISODE = "episode/"  # + a statistic of the episode that ended on the row ([B], valid where done)
+FINAL_OBS = "final_obs/"  # + an observation key: the row's terminal observation (envs built with keep_final_obs)
+INFO_KEYS = {
+    DONE: "[B] bool: the row's episode ended this step (terminated | truncated)",
+    EPISODE + "return": "sum of the episode's rewards",
+    EPISODE + "length": "steps",
+    EPISODE + "route_completion": "route completion, %",
+    EPISODE + "infraction_score": "product of the infraction coefficients (and the min-speed factor)",
+    EPISODE + "driving_score": "route completion x infraction score",
+    EPISODE + "km": "km of route driven",
+    EPISODE + "route_id": "the route (scenario) index the row drove",
+    EPISODE + "outside_lanes_pct": "% of the route driven outside the lanes",
+    EPISODE + "min_speed_factor": "Leaderboard 2.0's min-speed factor (1 under CaRL's rules)",
+    EPISODE + "infractions/<name>": "count of each infraction (envs.sim.infractions.INFRACTIONS, min_speed)",
+    EPISODE + "termination/<reason>": "1 for the reason the episode ended (a hard infraction, route_completed, or a "
+                                       "backend's own: scenario_end, carl_collision, ...); all 0 for an episode "
+                                       "cut for no driving reason (a lost CARLA server)",
+    FINAL_OBS + "<key>": "the terminal observation of every row (keep_final_obs)",
+}
+
+
+def episode_stats(info: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The ``episode/...`` statistics of ``info``, keyed without the prefix."""
+    return {k[len(EPISODE):]: v for k, v in info.items() if k.startswith(EPISODE)}
+
+
+def final_obs(info: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The terminal observation in ``info`` (empty unless the env keeps it), keyed like the observation."""
+    return {k[len(FINAL_OBS):]: v for k, v in info.items() if k.startswith(FINAL_OBS)}
+
+
 class BatchedEnv(abc.ABC):
     """B environments on one device, stepped together, reset automatically."""
 
@@ -114,6 +154,7 @@ class BatchedEnv(abc.ABC):
     device: torch.device
     observation_spec: dict[str, TensorSpec]
     action_spec: TensorSpec = TensorSpec((2,), torch.float32, -1.0, 1.0, ACTIONS)
+    control_dt: float = CONTROL_DT  # s of simulated time per step
 
     @abc.abstractmethod
     def reset(self, seed: int | None = None) -> dict[str, torch.Tensor]:
@@ -121,7 +162,7 @@ class BatchedEnv(abc.ABC):
 
     @abc.abstractmethod
     def step(self, action: torch.Tensor) -> StepResult:
-        """Advance every environment by one control step (0.1 s)."""
+        """Advance every environment by one control step (``control_dt``)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (servers, processes). The built-in simulator holds none."""

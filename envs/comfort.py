@@ -50,8 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# the six signals, in the order of envs.reward.COMFORT_METRICS
-COMFORT_SIGNALS = ("lon_acc", "lat_acc", "jerk", "lon_jerk", "yaw_rate", "yaw_acc")
+from envs.api import COMFORT_METRICS  # the six signals' names, in order
+
 # devkit filter settings (state_extractors.py defaults as the metrics call them)
 ACC_WINDOW, ACC_ORDER = 8, 2  # extract_ego_acceleration
 JERK_WINDOW, JERK_ORDER = 15, 2  # extract_ego_jerk (derivative 1)
@@ -139,7 +139,7 @@ def _round(x: Tensor, decimals: int | None) -> Tensor:
 # ---------------------------------------------------------------------------------------------- signals and checks
 def comfort_signals(lon_acc: Tensor, lat_acc: Tensor, heading: Tensor, n: Tensor, dt: float,
                     acc_magnitude: Tensor | None = None, decimals: int | None = DECIMALS) -> dict[str, Tensor]:
-    """The six comfort signals [B, T] (keys :data:`COMFORT_SIGNALS`) as the devkit derives them from each row's
+    """The six comfort signals [B, T] (keys :data:`COMFORT_METRICS`) as the devkit derives them from each row's
     first ``n[b]`` states.
 
     ``lon_acc``, ``lat_acc`` [B, T]: the centre's body-frame acceleration (``center_acceleration_2d``; see
@@ -179,16 +179,16 @@ def _bounds(bounds: Mapping[str, float | tuple[float, float]], name: str) -> tup
 def comfort_checks(signals: Mapping[str, Tensor], n: Tensor,
                    bounds: Mapping[str, float | tuple[float, float]] = COMFORT_BOUNDS,
                    min_states: int = MIN_COMFORT_STATES) -> Tensor:
-    """Which of the six checks hold over each row's whole valid history: bool [B, 6] in :data:`COMFORT_SIGNALS`
+    """Which of the six checks hold over each row's whole valid history: bool [B, 6] in :data:`COMFORT_METRICS`
     order; a check holds if ``lo < value < hi`` at every state i < n[b] (nuPlan's strict bounds). Rows with fewer
     than ``min_states`` states pass every check (the devkit cannot score them; CaRL's factor is 1.0 there).
     ``ego_is_comfortable`` is ``comfort_checks(...).all(-1)``."""
-    first = signals[COMFORT_SIGNALS[0]]
+    first = signals[COMFORT_METRICS[0]]
     T = first.shape[-1]
     n = torch.as_tensor(n, device=first.device).long()
     pad = torch.arange(T, device=first.device)[None, :] >= n[:, None]
     out = []
-    for name in COMFORT_SIGNALS:  # a loop over the six signals only
+    for name in COMFORT_METRICS:  # a loop over the six signals only
         lo, hi = _bounds(bounds, name)
         v = signals[name]
         out.append(((v > lo) & (v < hi) | pad).all(-1))

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from envs.comfort import COMFORT_BOUNDS, COMFORT_SIGNALS, MIN_COMFORT_STATES, comfort_checks, comfort_signals
+from envs.api import COMFORT_METRICS, CONTROL_DT
+from envs.comfort import COMFORT_BOUNDS, MIN_COMFORT_STATES, comfort_checks, comfort_signals
 from envs.config import Checks
+from envs.metrics.nuplan import SPEED_VIOLATION_MAX
 
-COMFORT_METRICS = ("lon_acc", "lat_acc", "jerk", "lon_jerk", "yaw_rate", "yaw_acc")
 REWARD_MODES = ("carl_carla", "carl_nuplan")
 NUPLAN_ACCUMULATIONS = ("regular", "nuplan", "survival")
 NUPLAN_TERM_ACCUMULATIONS = ("value", "terminal")
@@ -45,13 +46,12 @@ class NuplanRewardConfig:
     lane_distance_penalty: float = 0.5  # factor = 1 - penalty * normalised distance, in [1 - penalty, 1]
     lane_distance_eps: float = 1e-6  # added to the normaliser (CaRL's code)
     use_too_fast: bool = True
-    speeding_margin: float = 2.23  # m/s over the limit at which too_fast reaches 0
+    speeding_margin: float = SPEED_VIOLATION_MAX  # m/s over the limit at which too_fast reaches 0 (nuPlan's)
     speeding_margin_floor: float = 1e-3  # CaRL floors the margin so that 0 cannot divide
     use_off_route: bool = True  # off_route "v1"
     use_comfort: bool = True  # comfort "kinematics"
     comfort_accumulation: str = "value"  # "value" | "terminal" (a failed comfort check ends the episode; "regular")
     comfort_min_states: int = MIN_COMFORT_STATES  # factor 1.0 until the episode has this many ego states
-    comfort_dt: float = 0.1  # s between ego states (nuPlan's 10 Hz simulation)
     comfort_lon_acc: tuple[float, float] = COMFORT_BOUNDS["lon_acc"]  # nuPlan's bounds (envs.comfort), strict
     comfort_lat_acc: float = COMFORT_BOUNDS["lat_acc"]
     comfort_jerk: float = COMFORT_BOUNDS["jerk"]
@@ -80,12 +80,12 @@ class NuplanRewardConfig:
                  f"{', '.join(NUPLAN_TERM_ACCUMULATIONS)}")
         for name in ("reward_factor", "survival_ratio", "terminal_penalty", "collision_terminal_penalty",
                      "collision_stopped_speed", "lane_distance_threshold", "lane_distance_penalty",
-                     "lane_distance_eps", "speeding_margin", "speeding_margin_floor", "comfort_dt", "comfort_lat_acc",
+                     "lane_distance_eps", "speeding_margin", "speeding_margin_floor", "comfort_lat_acc",
                      "comfort_jerk", "comfort_lon_jerk", "comfort_yaw_rate", "comfort_yaw_acc", "ttc_factor",
                      "ttc_stopped_speed"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v), f"{prefix}.{name}={v}: must be a finite number")
-        for name in ("reward_factor", "speeding_margin", "comfort_dt", "comfort_lat_acc", "comfort_jerk",
+        for name in ("reward_factor", "speeding_margin", "comfort_lat_acc", "comfort_jerk",
                      "comfort_lon_jerk", "comfort_yaw_rate", "comfort_yaw_acc"):
             v = getattr(self, name)
             need(not v <= 0, f"{prefix}.{name}={v}: must be > 0")
@@ -114,7 +114,7 @@ class RewardConfig:
     terminal_penalty: float = 1.0  # subtracted on collision / red-light termination
     use_outside_lanes: bool = True  # dRC = 0 while outside route lanes
     use_speeding: bool = True
-    speeding_margin: float = 2.23  # m/s over the limit at which p_speed reaches 0
+    speeding_margin: float = SPEED_VIOLATION_MAX  # m/s over the limit at which p_speed reaches 0 (nuPlan's)
     use_ttc: bool = True
     ttc_factor: float = 0.5
     ttc_penalty_ticks: int = 500
@@ -255,6 +255,7 @@ class NuplanRewardInputs:
     overlap: Tensor | None = None  # [B, N] bool: ego box overlaps object slot j (a slot = one track for the episode)
     collision: Tensor | None = None  # bool: a collision found by the caller's own rule (or'ed with the overlap rule)
     red_light: Tensor | None = None  # bool: red-light hard constraint (off in CaRL)
+    dt: float = CONTROL_DT  # s between the ego states (the env's step)
 
 
 @dataclass
@@ -372,10 +373,10 @@ def compute_reward_nuplan(inp: NuplanRewardInputs, state: NuplanRewardState, cfg
     if c.use_off_route:
         off_route = torch.where(~inp.ego_in_route.bool() & inp.expert_in_route.bool(), torch.zeros_like(one), one)
     comfort = one
-    checks = torch.ones(progress.shape[0], len(COMFORT_SIGNALS), dtype=torch.bool, device=progress.device)
+    checks = torch.ones(progress.shape[0], len(COMFORT_METRICS), dtype=torch.bool, device=progress.device)
     state.record_state(inp.lon_acc, inp.lat_acc, inp.heading, inp.acc_magnitude)
     if c.use_comfort:
-        signals = comfort_signals(state.acc_lon, state.acc_lat, state.heading, state.count, c.comfort_dt,
+        signals = comfort_signals(state.acc_lon, state.acc_lat, state.heading, state.count, inp.dt,
                                   state.acc_mag)
         checks = comfort_checks(signals, state.count, c.comfort_bounds(), c.comfort_min_states)
         comfort = checks.to(one.dtype).mean(-1)

@@ -98,10 +98,10 @@ def test_path_progress():
 
 def test_speed_limit_compliance():
     limit = np.full(11, 10.0)
-    assert M.speed_limit_compliance(np.full(11, 9.0), limit) == 1.0
+    assert M.speed_limit_compliance(np.full(11, 9.0), limit, 0.1) == 1.0
     # 1 m/s over for all 11 samples: 1 - 11*0.1*1 / (2.23 * 1.0)
-    assert M.speed_limit_compliance(np.full(11, 11.0), limit) == pytest.approx(1 - 1.1 / 2.23)
-    assert M.speed_limit_compliance(np.full(11, 20.0), limit) == 0.0
+    assert M.speed_limit_compliance(np.full(11, 11.0), limit, 0.1) == pytest.approx(1 - 1.1 / 2.23)
+    assert M.speed_limit_compliance(np.full(11, 20.0), limit, 0.1) == 0.0
 
 
 def test_comfort():
@@ -109,11 +109,11 @@ def test_comfort():
     t = np.arange(151) * 0.1
     zero = np.zeros_like(t)
     gentle = np.where(t < 8.0, 1.0, 0.0)  # 1 m/s² for 8 s, then cruise: jerk of the step ~ 1 / 1.5 s < 4.13
-    assert M.ego_is_comfortable(gentle, zero, zero, zero, 1.461) == 1.0
-    assert M.ego_is_comfortable(np.full_like(t, -6.0), zero, zero, zero, 1.461) == 0.0  # -6 m/s² < -4.05
+    assert M.ego_is_comfortable(gentle, zero, zero, zero, 1.461, 0.1) == 1.0
+    assert M.ego_is_comfortable(np.full_like(t, -6.0), zero, zero, zero, 1.461, 0.1) == 0.0  # -6 m/s² < -4.05
     # a steady turn at 0.5 rad/s: the devkit's centre acceleration is a + d·ω² = 1.461 · 0.25 (comfortable)
-    assert M.ego_is_comfortable(zero, np.full_like(t, 0.5), zero, 0.5 * t, 1.461) == 1.0
-    assert M.ego_is_comfortable(zero, zero, zero, 1.2 * t, 1.461) == 0.0  # heading turning at 1.2 > 0.95 rad/s
+    assert M.ego_is_comfortable(zero, np.full_like(t, 0.5), zero, 0.5 * t, 1.461, 0.1) == 1.0
+    assert M.ego_is_comfortable(zero, zero, zero, 1.2 * t, 1.461, 0.1) == 0.0  # heading turning at 1.2 > 0.95 rad/s
 
 
 def test_scenario_score_and_aggregate():

@@ -236,9 +236,14 @@ def test_layout_and_action_names():
     assert action_permutation(NUPLAN_ACTIONS, NUPLAN_ACTIONS) == [0, 1]
     with pytest.raises(ValueError, match="cannot be mapped"):
         action_permutation(("steer", "brake"), ACTIONS)
-    # the scaling a bundle records is the dynamics' own
-    assert NUPLAN_ACTION_SCALING["accel"] == {"positive_mps2": dynamics.MAX_ACCEL, "negative_mps2": dynamics.MAX_DECEL}
-    assert NUPLAN_ACTION_SCALING["steer"]["max_tire_angle_rad"] == dynamics.MAX_STEER
+    # the scaling a bundle records (and the dynamics apply) is CaRL's (carl-reference.md §16.2): full throttle 2.4 m/s²,
+    # full brake 3.2 m/s², full steer a 48° tire angle
+    assert NUPLAN_ACTION_SCALING["accel"] == {"positive_mps2": 2.4, "negative_mps2": 3.2}
+    assert NUPLAN_ACTION_SCALING["steer"]["max_tire_angle_rad"] == pytest.approx(math.radians(48.0), abs=1e-8)
+    rear, yaw, speed, accel, steer = dynamics.bicycle_step(torch.zeros(1, 2), torch.zeros(1), torch.full((1,), 5.0),
+                                                           torch.zeros(1), torch.zeros(1),
+                                                           torch.tensor([[1.0, 1.0]]), 0.1, NUPLAN_ACTIONS)
+    assert float(accel[0]) == pytest.approx(2.4 * 0.1 / (0.1 + 0.2))  # one 0.1 s step of the 0.2 s lag to 2.4 m/s²
 
 
 @pytest.mark.nuplan

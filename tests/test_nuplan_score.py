@@ -60,7 +60,7 @@ def test_expert_replay_scores_high(data, reactive):
     for ep in eps.values():
         log = env.data.scenarios[int(ep["episode/scenario"])].ego.astype(np.float64)
         yaw_rate = np.gradient(np.unwrap(log[:, 2]), 0.1)
-        if ego_is_comfortable(log[:, 5], yaw_rate, np.gradient(yaw_rate, 0.1), log[:, 2], REAR_AXLE_TO_CENTRE):
+        if ego_is_comfortable(log[:, 5], yaw_rate, np.gradient(yaw_rate, 0.1), log[:, 2], REAR_AXLE_TO_CENTRE, 0.1):
             assert ep["episode/nuplan/comfort"] == 1.0
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from envs.comfort import (COMFORT_BOUNDS, COMFORT_SIGNALS, comfort_checks, comfort_signals, phase_unwrap,
+from envs.comfort import (COMFORT_BOUNDS, comfort_checks, comfort_signals, phase_unwrap,
                           rear_axle_to_center_acceleration, savgol)
 from envs.config import ConfigError
 from envs.reward import (COMFORT_METRICS, NuplanRewardConfig, NuplanRewardInputs, NuplanRewardState, RewardConfig,
@@ -142,7 +142,7 @@ def test_phase_unwrap_removes_two_pi_jumps():
 
 def test_checks_are_strict_and_cover_only_the_valid_history():
     T = 6
-    ok = {k: torch.zeros(3, T) for k in COMFORT_SIGNALS}
+    ok = {k: torch.zeros(3, T) for k in COMFORT_METRICS}
     ok["lon_acc"][0, 2] = 2.40  # on the bound: fails (strict)
     ok["yaw_rate"][0, 1] = -0.95  # on the bound: fails
     ok["jerk"][1, 5] = 100.0  # beyond row 1's valid length 5: ignored
@@ -151,7 +151,7 @@ def test_checks_are_strict_and_cover_only_the_valid_history():
     got = comfort_checks(ok, torch.tensor([6, 5, 3]))
     assert got[0].tolist() == [False, True, True, True, False, True]
     assert got[1].tolist() == [True] * 6 and got[2].tolist() == [True] * 6
-    assert COMFORT_SIGNALS == COMFORT_METRICS
+    assert COMFORT_METRICS == ("lon_acc", "lat_acc", "jerk", "lon_jerk", "yaw_rate", "yaw_acc")
     assert COMFORT_BOUNDS == {"lon_acc": (-4.05, 2.40), "lat_acc": 4.89, "jerk": 8.37, "lon_jerk": 4.13,
                               "yaw_acc": 1.93, "yaw_rate": 0.95}
 

@@ -8,7 +8,8 @@ code (``SimEnv.follow`` and ``SimEnv.observe``: the same tracking, BEV rasterise
 
 Like CaRL's own agent it reads actors from the world (privileged, as the BEV was in training); it asks for no camera
 or lidar, only the speedometer pseudo-sensor. The leaderboard runs at 20 Hz and the policy at 10 Hz (CaRL's control
-period): the agent acts every ``control_period`` seconds of simulation time and repeats its control in between.
+period, the bundle's ``actions.control_period_s``): the agent acts every ``control_period`` seconds of simulation
+time and repeats its control in between.
 
 Run it with the official evaluator (``docs/carla.md``, "Leaderboard 2.0 evaluation")::
 
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from carl.bundle import load_policy
+from envs.api import CONTROL_DT
 from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, fill_vehicles, graph_from_xodr,
                                 is_emergency, vehicle_lights)
 from envs.carla.lights import CarlaLights, CarlaLightSource
@@ -187,7 +189,6 @@ def read_agent_config(path: str | Path) -> dict[str, Any]:
 class CarlAgent(AutonomousAgent):
     """CaRL's policy as a Leaderboard 2.0 agent (Track MAP)."""
 
-    control_period = 0.1  # seconds between policy actions (the training step); controls repeat in between
 
     def setup(self, path_to_conf_file: str, *_: Any, **__: Any) -> None:
         if HAVE_LEADERBOARD:
@@ -195,7 +196,9 @@ class CarlAgent(AutonomousAgent):
         conf = read_agent_config(path_to_conf_file)
         self.device = torch.device(conf.get("device", "cpu"))
         self.policy, self.spec = load_policy(conf["policy"], self.device, deterministic=True)
-        self.cfg = sim_config_for(self.spec, conf.get("options"))
+        # seconds between policy actions (the training env's step); controls repeat in between
+        self.control_period = float(self.spec["actions"].get("control_period_s", CONTROL_DT))
+        self.cfg = sim_config_for(self.spec, {"dt": self.control_period, **(conf.get("options") or {})})
         self.carla_lights = bool(conf.get("carla_lights", True))
         self.mirror: CarlaMirror | None = None
         self.hero: Any = None

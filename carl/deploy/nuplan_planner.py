@@ -48,12 +48,13 @@ from envs.nuplan.mapgraph import build_patch
 from envs.nuplan.nuplan_map import NuplanMap, load_location
 from envs.nuplan.dynamics import centre_kinematics
 from envs.nuplan.observation import NuplanObserver
+from envs.nuplan.reader import FRAME_S
 from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.infractions import route_progress
 from envs.sim.observation import CarlaObserver
 from envs.sim.parts import Observer
 
-HORIZON_S, DT = 8.0, 0.1  # the devkit's default trajectory horizon and our simulation step
+HORIZON_S, DT = 8.0, FRAME_S  # the devkit's default trajectory horizon; our simulation step (a log frame)
 PATCH_RADIUS = 80.0  # m around the route path
 LIGHT_STATUS = {"GREEN": 0, "YELLOW": 1, "RED": 2, "UNKNOWN": 3}
 ROLLOUT_ACTIONS = ACTIONS  # the action order rollout_trajectory's ``act`` returns (bicycle_step's default order)

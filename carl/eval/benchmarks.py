@@ -51,7 +51,7 @@ class Benchmark:
     name: str
     env: str
     groups: list[RouteGroup]
-    max_steps: int | None  # None: each env's own bound (SimEnv.max_episode_steps), else max_time / dt + 10
+    max_steps: int | None  # None: each env's own bound (max_episode_steps: every episode has ended by its rules)
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""  # logged by carl-eval before the run (e.g. Val14: tokens found / missing)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -100,7 +99,7 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             rid = int(ep.get("episode/route_id", first + row))
             length = float(lengths[rid]) if lengths is not None else None
             store.add(make_record(0, name_of(rid), ep, length, group.name, rid, time.perf_counter() - t0,
-                                  float(group.options.get("dt", 0.1))))
+                                  env.control_dt))
             if "episode/nuplan_score" in ep:
                 store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.data.scenario_types[rid])
                 store.write()
@@ -114,8 +113,10 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
                 f"  IS {rec['scores']['score_penalty']:.3f}  {rec['status']}")
 
         if not max_steps:
-            max_steps = int(getattr(env, "max_episode_steps", 0)) or math.ceil(
-                float(group.options.get("max_time", 1200.0)) / float(group.options.get("dt", 0.1))) + 10
+            max_steps = int(getattr(env, "max_episode_steps", 0))
+        if not max_steps:
+            raise ValueError(f"{group.name}: the env ({type(env).__name__}) states no max_episode_steps; give the "
+                             "evaluation a step limit (benchmark.max_steps / logging.eval_max_steps)")
         run_first_episodes(env, act, max_steps, seed=seed, on_episode=record, rows=set(pending))
         if pending and hasattr(env, "running_episodes"):  # still driving: reported as they stand, never dropped
             running = env.running_episodes()

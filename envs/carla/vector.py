@@ -97,7 +97,8 @@ def _worker_main(conn: Connection, ccfg: CarlaConfig, scfg: SimConfig, block: Po
         env = build_carla_env(ccfg, scfg, block.rpc, block.tm, "cpu", seed, server)
         conn.send(("ready", {"spec": {k: (v.shape, str(v.dtype), v.low, v.high, v.names)
                                       for k, v in env.observation_spec.items()},
-                             "route_names": env.route_names, "route_lengths": env.route_lengths}))
+                             "route_names": env.route_names, "route_lengths": env.route_lengths,
+                             "max_episode_steps": env.max_episode_steps}))
         while True:
             cmd, arg = conn.recv()
             if cmd == "reset":
@@ -168,6 +169,8 @@ class CarlaVectorEnv(BatchedEnv):
                                  for k, (shape, dtype, low, high, names) in ready[0]["spec"].items()}
         self.route_names: list[str] = ready[0]["route_names"]  # every route of the town, by route id
         self.route_lengths: list[float] = ready[0]["route_lengths"]
+        self.control_dt = scfg.dt
+        self.max_episode_steps: int = max(r["max_episode_steps"] for r in ready)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, i: int) -> None:

@@ -46,7 +46,7 @@ from envs.sim.world import LightFn
 
 log = logging.getLogger(__name__)
 
-EGO_BLUEPRINT = "vehicle.lincoln.mkz_2020"  # CaRL's ego; half extent (2.45, 1.05) = SimConfig.ego_half_extent
+EGO_BLUEPRINT = "vehicle.lincoln.mkz_2020"  # CaRL's ego; its half extent is SimConfig.ego_half_extent
 
 
 class CarlaError(RuntimeError):
@@ -312,7 +312,7 @@ class CarlaActors(ActorSource):
         vel = [x.get_velocity() for x in snaps]
         return (np.array([a.location.x for a in tf]), np.array([a.location.y for a in tf]),
                 np.array([a.rotation.yaw for a in tf]), np.array([v.x for v in vel]), np.array([v.y for v in vel]),
-                np.array([self.tracked.half.get(i, (2.45, 1.05)) for i in ids]).reshape(-1, 2))
+                np.array([self.tracked.half.get(i, self.setup.cfg.ego_half_extent) for i in ids]).reshape(-1, 2))
 
     def _apply_last(self, s: SimState) -> None:
         fill_vehicles(s.veh, self.last[0], s.ego_xy)

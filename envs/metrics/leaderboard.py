@@ -37,8 +37,8 @@ FAILED_STATUS = {
 
 
 def make_record(index: int, route_id: str, ep: dict[str, float], route_length: float | None, group: str,
-                route_index: int, wall_s: float, dt: float = 0.1) -> dict[str, Any]:
-    """One Leaderboard 2.0 route record from the simulator's ``episode/...`` statistics."""
+                route_index: int, wall_s: float, dt: float) -> dict[str, Any]:
+    """One Leaderboard 2.0 route record from the simulator's ``episode/...`` statistics (``dt``: seconds per step)."""
     counts = {name: int(round(ep.get(f"episode/infractions/{name}", 0.0))) for name in LB_INFRACTION_KEYS}
     infractions: dict[str, list[str]] = {key: [] for key in LB_RECORD_KEYS}
     for name, n in counts.items():

@@ -106,7 +106,7 @@ def drivable_area_compliance(corner_outside_m: np.ndarray) -> float:
     return 0.0 if np.any(np.asarray(corner_outside_m) >= DRIVABLE_MAX_VIOLATION) else 1.0
 
 
-def driving_direction_compliance(lane_progress: np.ndarray, dt: float = 0.1) -> float:
+def driving_direction_compliance(lane_progress: np.ndarray, dt: float) -> float:
     """``lane_progress`` [T]: per-step progress along the current lane's baseline (negative = against it). Sums
     over the last 1 s; m = the worst (most negative) sum: 1 if −m < 2 m, 0.5 if < 6 m, else 0."""
     p = np.asarray(lane_progress, np.float64)
@@ -151,7 +151,7 @@ def making_progress(ratio: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- weighted
-def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float = 0.1) -> float:
+def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float) -> float:
     """1 − Σ(overspeed · dt) / (2.23 m/s · duration), floored at 0; duration = (T − 1) · dt (≥ dt)."""
     speed, limit = np.asarray(speed, np.float64), np.asarray(limit, np.float64)
     over = np.clip(speed - limit, 0.0, None)
@@ -160,7 +160,7 @@ def speed_limit_compliance(speed: np.ndarray, limit: np.ndarray, dt: float = 0.1
 
 
 def ego_is_comfortable(accel: np.ndarray, yaw_rate: np.ndarray, yaw_acc: np.ndarray, heading: np.ndarray,
-                       rear_to_centre: float, dt: float = 0.1) -> float:
+                       rear_to_centre: float, dt: float) -> float:
     """1 if the six comfort signals stay within their bounds over the whole run, else 0. Inputs per state: the rear
     axle's acceleration along the heading (nuPlan's bicycle model has no lateral one), yaw rate, yaw acceleration
     and heading; the signals are derived as the devkit does (:mod:`envs.comfort`)."""

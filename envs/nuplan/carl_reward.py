@@ -177,4 +177,5 @@ class CarlNuplanReward(Reward):
             rc=rc, off_road=off_road, on_lane=on_lane, lane_center_dist=lateral.abs(),
             lane_boundary_dist=(width / 2 - lateral.abs()).clamp(min=0.0), speed=s.ego_speed, speed_limit=limit,
             ego_in_route=in_route[:, 0], expert_in_route=in_route[:, 1], ttc_violation=ttc, lon_acc=acc.lon,
-            lat_acc=acc.lat, heading=s.ego_yaw, acc_magnitude=acc.rear_magnitude, overlap=overlap)
+            lat_acc=acc.lat, heading=s.ego_yaw, acc_magnitude=acc.rear_magnitude, overlap=overlap,
+            dt=self.setup.cfg.dt)

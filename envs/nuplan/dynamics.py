@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from envs.api import NUPLAN_ACTION_SCALING
 from envs.comfort import rear_axle_to_center_acceleration
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
 from envs.sim.geometry import wrap_angle
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
 
 WHEELBASE = 3.089
 EGO_HALF = (2.588, 1.1485)  # (4.049 + 1.127) / 2, 2.297 / 2
-MAX_ACCEL, MAX_DECEL = 2.4, 3.2
-MAX_STEER = 0.83775804  # rad (48°): target tire angle at |action| = 1
+# CaRL's action scaling (envs.api.NUPLAN_ACTION_SCALING, which bundles record): m/s² at |a| = 1 and the target tire
+# angle (rad, 48°) at |steer| = 1
+MAX_ACCEL = NUPLAN_ACTION_SCALING["accel"]["positive_mps2"]
+MAX_DECEL = NUPLAN_ACTION_SCALING["accel"]["negative_mps2"]
+MAX_STEER = NUPLAN_ACTION_SCALING["steer"]["max_tire_angle_rad"]
 STEER_LIMIT = math.pi / 3
 ACCEL_LAG, STEER_LAG = 0.2, 0.05  # s
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from envs.api import CONTROL_DT
 from envs.config import Checks
 from envs.maps.procedural import ProceduralConfig
 from envs.sim.criteria import RULES
@@ -47,7 +48,7 @@ class SimConfig:
     route_points_drawn: int = 150
     keep_final_obs: bool = False
     # --- dynamics and timing
-    dt: float = 0.1
+    dt: float = CONTROL_DT
     max_steer: float = 0.6  # rad, front wheel angle at |steer| = 1
     wheelbase: float = 2.9
     max_accel: float = 4.0

@@ -83,6 +83,10 @@ class SimEnv(BatchedEnv):
         return self.setup.world
 
     @property
+    def control_dt(self) -> float:
+        return self.cfg.dt
+
+    @property
     def ego_half(self) -> Tensor:
         """[B, 2] the ego's half length and half width."""
         return self.setup.ego_half

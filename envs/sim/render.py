@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from envs.api import BEV_CHANNELS
+from envs.sim.config import SimConfig
 from envs.sim.raster import BevConfig
 
 __all__ = ["BEV_CHANNELS", "BEV_COLOURS", "bev_to_rgb", "overlay_text", "write_frames"]
@@ -36,13 +37,14 @@ _BACKGROUND = np.array((15, 15, 15), np.uint8)
 
 
 def bev_to_rgb(bev: torch.Tensor | np.ndarray, cfg: BevConfig | None = None,
-               ego_half_extent: tuple[float, float] = (2.45, 1.05)) -> np.ndarray:
+               ego_half_extent: tuple[float, float] | None = None) -> np.ndarray:
     """Colourise one BEV observation uint8 ``[C, H, W]`` into RGB ``[H, W, 3]``.
 
     Channels are painted in a fixed order (road and shoulder first) over a dark background, each with its colour from
     :data:`BEV_COLOURS` scaled by the pixel value (values below 255, e.g. broken markings or speed-encoded actors,
     appear dimmer but never vanish: intensity = 0.35 + 0.65 * value / 255). The ego box (half length, half width in
-    metres) is drawn at its fixed place (``cfg`` geometry; defaults to CaRL's). Fewer than 10 channels are allowed.
+    metres; default the simulator's, ``SimConfig.ego_half_extent``) is drawn at its fixed place (``cfg`` geometry;
+    defaults to CaRL's). Fewer than 10 channels are allowed.
     """
     a = bev.detach().cpu().numpy() if isinstance(bev, torch.Tensor) else np.asarray(bev)
     if a.ndim != 3:
@@ -60,6 +62,8 @@ def bev_to_rgb(bev: torch.Tensor | np.ndarray, cfg: BevConfig | None = None,
         colour = BEV_COLOURS[ch % len(BEV_COLOURS)].astype(np.float32)
         img[on] = colour * (0.35 + 0.65 * v[on, None] / 255.0)
     cfg = cfg or BevConfig(size=h)
+    if ego_half_extent is None:
+        ego_half_extent = SimConfig().ego_half_extent
     hl, hw = ego_half_extent[0] * cfg.ppm, ego_half_extent[1] * cfg.ppm
     r0, c0 = cfg.ego_row, cfg.ego_col
     r_lo, r_hi = int(round(r0 - hl)), int(round(r0 + hl))
