@@ -31,8 +31,12 @@ __all__ = ["ConfigError", "EnvConfig", "ModelConfig", "PPOConfig", "ParallelConf
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # config groups of conf/train.yaml (a selection such as env=carla is not a key)
 GROUPS = ("env", "parallel", "experiment")
-# parallel.sync: the gradient-sync methods of carl/parallel (make_sync builds them)
-SYNC_METHODS = ("allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd")
+# parallel.sync: the gradient-sync methods, name -> what travels (carl.parallel.sync.SYNC_BUILDERS builds each;
+# LAYERWISE_SYNC compress layer by layer, so they can also run hierarchically)
+SYNC_METHODS = {"allreduce": "fp32 gradients (DDP)", "fp16": "float16 gradients", "bf16": "bfloat16 gradients",
+                "powersgd": "rank-r factors per layer (PowerSGD)", "lgreco": "per-layer ranks planned by L-GreCo",
+                "topk": "top-k values per layer", "localsgd": "parameters every local_steps steps (CO2)"}
+LAYERWISE_SYNC = ("lgreco", "topk")  # and powersgd with powersgd_impl=layerwise
 
 
 @dataclass
@@ -97,7 +101,7 @@ class ParallelConfig:
     compile: bool = False  # torch.compile the network (CUDA only)
     torch_threads: int = 0  # 0 = leave PyTorch's default
     # -- multi-process (torchrun); ignored with one process. See docs/distributed.md --
-    sync: str = "allreduce"  # allreduce | fp16 | bf16 | powersgd | lgreco | topk | localsgd
+    sync: str = "allreduce"  # a name of SYNC_METHODS
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     timeout_s: float = 1800.0  # a collective waiting longer than this fails with the rank and the reason
     bucket_cap_mb: float = 0.0  # DDP bucket size; 0 = DDP's default (powersgd on gloo: one bucket)
@@ -123,7 +127,7 @@ class ParallelConfig:
     @property
     def per_layer_compression(self) -> bool:
         """A method run by our per-layer reducers (the only ones ``hierarchical`` can wrap)."""
-        return self.sync in ("lgreco", "topk") or (self.sync == "powersgd" and self.powersgd_impl == "layerwise")
+        return self.sync in LAYERWISE_SYNC or (self.sync == "powersgd" and self.powersgd_impl == "layerwise")
 
 
 @dataclass

@@ -40,7 +40,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ["allreduce", "fp16", "bf16", "powersgd", "lgreco", "topk", "localsgd"]
+sys.path.insert(0, str(REPO))
+from carl.config import SYNC_METHODS  # noqa: E402 - light (no torch): the method names, declared once
+
+METHODS = list(SYNC_METHODS)
 NS = ("carl_bs_a", "carl_bs_b")
 VETH = ("carl_va", "carl_vb")
 ADDR = ("10.231.0.1", "10.231.0.2")

@@ -78,25 +78,6 @@ class DistContext:
                 dist.all_reduce(tensor)
         return tensor
 
-    def normalize_advantages(self, adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        """Zero mean, unit Bessel-corrected std over the *global* minibatch (all ranks' shares together).
-
-        Matches :func:`carl.ppo.loss.normalize_advantages` applied to the concatenation of every rank's share.
-        """
-        from carl.ppo.loss import normalize_advantages
-
-        if not self.distributed:
-            return normalize_advantages(adv, eps)
-        a = adv.double()
-        stats = torch.stack([a.new_tensor(float(a.numel())), a.sum(), (a * a).sum()])
-        self.all_reduce_sum(stats, "advantage statistics")
-        n, s, ss = stats.tolist()
-        mean = s / n
-        if n < 2:
-            return adv - mean
-        var = max(ss - n * mean * mean, 0.0) / (n - 1)
-        return (adv - mean) / (var ** 0.5 + eps)
-
     def broadcast_object(self, obj: T, op: str = "broadcast") -> T:
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:

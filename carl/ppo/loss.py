@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,11 +17,25 @@ class LossTerms:
     old_approx_kl: torch.Tensor  # the ratio-based estimator (CleanRL's), for reference
 
 
-def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit (Bessel-corrected) std; a single-sample batch is only centred."""
-    if adv.numel() < 2:
-        return adv - adv.mean()
-    return (adv - adv.mean()) / (adv.std() + eps)
+def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8,
+                         all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Zero mean, unit (Bessel-corrected) std; a single-sample batch is only centred.
+
+    ``all_reduce_sum`` (DDP: the context's in-place sum over ranks) makes the statistics those of the *global*
+    minibatch, every rank's share together: the same result as normalising their concatenation."""
+    if all_reduce_sum is None:
+        if adv.numel() < 2:
+            return adv - adv.mean()
+        return (adv - adv.mean()) / (adv.std() + eps)
+    a = adv.double()
+    stats = torch.stack([a.new_tensor(float(a.numel())), a.sum(), (a * a).sum()])
+    all_reduce_sum(stats)
+    n, s, ss = stats.tolist()
+    mean = s / n
+    if n < 2:
+        return adv - mean
+    var = max(ss - n * mean * mean, 0.0) / (n - 1)
+    return (adv - mean) / (var ** 0.5 + eps)
 
 
 def ppo_loss(

@@ -49,7 +49,9 @@ class PPOTrainer:
         self.policy, self.env, self.cfg = policy, env, cfg
         self.sync = sync if sync is not None else SyncMethod(policy, ctx)
         self.world_size = ctx.world_size if ctx is not None else 1
-        self.normalize_advantages = ctx.normalize_advantages if ctx is not None else normalize_advantages
+        reduce = ((lambda t: ctx.all_reduce_sum(t, "advantage statistics"))
+                  if ctx is not None and ctx.distributed else None)
+        self.normalize_advantages = lambda adv: normalize_advantages(adv, all_reduce_sum=reduce)
         self.device = env.device
         self.timer = timer or PhaseTimer()
         self.autocast = (
