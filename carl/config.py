@@ -594,8 +594,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
                  f"use one of {', '.join(benches)} (conf/benchmark), or null")
         if lg.final_benchmark in benches and backend_of(e.name) is not None:
             bench_envs = {b: _benchmark_env(b) for b in benches}
-            layouts = {b: envs.BACKEND_LAYOUTS.get(env, "custom") for b, env in bench_envs.items()}
-            mine = envs.BACKEND_LAYOUTS[e.name]
+            layouts = {b: envs.BACKENDS[env].layout if env in envs.BACKENDS else "custom"
+                       for b, env in bench_envs.items()}
+            mine = envs.BACKENDS[e.name].layout
             fits = [b for b in benches if layouts[b] == mine]
             _require(layouts[lg.final_benchmark] == mine, f"logging.final_benchmark={lg.final_benchmark} drives env "
                      f"{bench_envs[lg.final_benchmark]!r} ({layouts[lg.final_benchmark]} observations), but this run "
@@ -607,7 +608,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     if p.bootstrap_truncation and backend_of(e.name) is not None:
         from omegaconf import OmegaConf
 
-        key = envs.FINAL_OBS_OPTIONS[e.name]
+        key = envs.final_obs_option(e.name)
         keeps = OmegaConf.select(OmegaConf.create(dict(e.options)), key, default=False)
         _require(keeps is True, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
                         f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
@@ -615,7 +616,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     if backend_of(e.name) is not None:  # the backend's own checks, on the training and on the evaluation options
         checks.run(envs.check_options, e.name, e.options)
         if e.eval_options:
-            checks.run(envs.check_options, e.name, {**e.options, **e.eval_options})
+            checks.run(envs.check_options, e.name, envs.merge_options(e.name, dict(e.options), dict(e.eval_options)))
     checks.done()
     return cfg
 

@@ -20,7 +20,6 @@ the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -41,6 +40,7 @@ from carl.cli import Command, quote, run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.during_training import Evaluation, run_benchmark
 from carl.eval.store import headline
+from carl.factory import make_env
 from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.launch import check_resume_world, check_world
@@ -96,25 +96,12 @@ def resume_changes(saved: dict[str, Any], overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------------
 # Environments
 # ------------------------------------------------------------------------------------------------------------------
-def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, eval: bool = False, **extra: Any) -> BatchedEnv:
-    """``envs.make_env(env.name, ...)``, or ``module:function`` for a custom factory with the same signature."""
-    options = dict(cfg.env.options)
-    if eval:
-        options.update(cfg.env.eval_options)
-    options.update(extra)
-    name = cfg.env.name
-    try:
-        if ":" in name:
-            module, fn = name.split(":", 1)
-            factory = getattr(importlib.import_module(module), fn)
-            return factory(num_envs=num_envs, device=device, seed=seed, **options)
-        import envs
-
-        return envs.make_env(name, num_envs=num_envs, device=device, seed=seed, **options)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"env.name={name!r} cannot be created: {exc}") from None
-    except (TypeError, ValueError) as exc:  # backends reject unknown/invalid options with these
-        raise ConfigError(f"env {name!r} rejected its options {options}: {exc}") from None
+def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, eval: bool = False,
+              **extra: Any) -> BatchedEnv:
+    """The run's env (:func:`carl.factory.make_env`): ``env.options``, then ``env.eval_options`` for the held-out
+    evaluation env, then ``extra``."""
+    return make_env(cfg.env.name, num_envs, device, seed, cfg.env.options, cfg.env.eval_options if eval else {},
+                    extra)
 
 
 # ------------------------------------------------------------------------------------------------------------------

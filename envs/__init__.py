@@ -1,87 +1,112 @@
 """Environments: everything that produces experience. Never imports the trainer.
 
-``make_env(name, num_envs, device, seed, **options)`` is the one entry point the trainer uses; ``options`` are
-validated against the backend's config dataclass (:func:`options_schema`), so a misspelt key fails at start-up with
-the valid keys listed.
+Each backend is registered once here (:data:`BACKENDS`): its options dataclass, its factory, its option check, its
+rule-based expert, the observation layout it produces and where its options nest the simulator's. Everything else
+reads the registry: ``make_env(name, num_envs, device, seed, **options)`` builds an env (``options`` are validated
+against the backend's dataclass, so a misspelt key fails at start-up with the valid keys listed),
+:func:`merge_options` layers option sets the one way every caller needs, :func:`make_expert` gives the expert.
+Imports are lazy ("module:attribute" strings), so importing ``envs`` costs nothing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # torch is imported by the backends; keep importers of envs.maps (tests' CARLA stand-in) light
     import torch
 
     from envs.api import BatchedEnv
 
-BACKENDS = ("sim", "carla", "nuplan")
-# the observation layout (envs.api.LAYOUTS) each backend produces: what a policy trained on it reads
-BACKEND_LAYOUTS = {"sim": "carla", "carla": "carla", "nuplan": "nuplan"}
-# the option (a dotted path in env.options) that makes each backend keep an episode's final observation in
-# info["final_obs/<key>"]; nuPlan nests the simulator's options under `sim`
-FINAL_OBS_OPTIONS = {"sim": "keep_final_obs", "carla": "keep_final_obs", "nuplan": "sim.keep_final_obs"}
+
+@dataclass(frozen=True)
+class Backend:
+    """One environment backend, by the places its parts live (``"module:attribute"``)."""
+
+    options: str  # the dataclass of its env.options
+    factory: str  # (num_envs, device, seed, **options) -> BatchedEnv
+    check: str  # (options) -> None: validates without building anything; every problem in one ConfigError
+    expert: str  # (env) -> policy(obs) -> actions: the rule-based expert on the env's privileged state
+    layout: str  # the observation layout it produces (envs.api.LAYOUTS): what a policy trained on it reads
+    sim_key: str = ""  # where its options hold the simulator's (SimConfig) options; "" = at the top level
 
 
-def _unknown_backend(name: str) -> Exception:
-    from envs.config import ConfigError
+BACKENDS: dict[str, Backend] = {
+    "sim": Backend("envs.sim.config:SimConfig", "envs.sim.env:make_sim_env", "envs.sim.config:check_options",
+                   "envs.sim.expert:Expert", "carla"),
+    "carla": Backend("envs.carla.config:CarlaOptions", "envs.carla.vector:make_carla_env",
+                     "envs.carla.config:split_options", "envs.carla.expert:make_expert", "carla"),
+    "nuplan": Backend("envs.nuplan.config:NuplanOptions", "envs.nuplan.env:make_nuplan_env",
+                      "envs.nuplan.config:check_options", "envs.nuplan.expert:make_expert", "nuplan", "sim"),
+}
 
-    return ConfigError(f"env.name={name!r}: unknown environment backend; use one of {', '.join(BACKENDS)} or "
-                       "package.module:function (env=custom)")
+
+def backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        from envs.config import ConfigError
+
+        raise ConfigError(f"env.name={name!r}: unknown environment backend; use one of {', '.join(BACKENDS)} or "
+                          "package.module:function (env=custom)")
+    return BACKENDS[name]
+
+
+def _load(ref: str) -> Any:
+    module, attr = ref.split(":", 1)
+    return getattr(importlib.import_module(module), attr)
 
 
 def options_schema(name: str) -> type:
     """The dataclass of backend ``name``'s ``options``: the schema of Hydra's typed ``env.options``."""
-    if name == "sim":
-        from envs.sim.config import SimConfig
+    return _load(backend(name).options)
 
-        return SimConfig
-    if name == "carla":
-        from envs.carla.config import CarlaOptions
 
-        return CarlaOptions
-    if name == "nuplan":
-        from envs.nuplan.config import NuplanOptions
-
-        return NuplanOptions
-    raise _unknown_backend(name)
+def final_obs_option(name: str) -> str:
+    """The option (a dotted path in env.options) that makes backend ``name`` keep an episode's final observation in
+    ``info["final_obs/<key>"]``."""
+    key = backend(name).sim_key
+    return f"{key}.keep_final_obs" if key else "keep_final_obs"
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:
-    """Validate backend ``name``'s ``options`` without building anything; every problem in one ``ConfigError``."""
-    from envs.config import from_dict
+    """Validate backend ``name``'s ``options`` without building anything; every problem in one ``ConfigError``, each
+    naming the backend (an unknown key lists the backend's own keys)."""
+    from envs.config import ConfigError
 
-    if name == "sim":
-        from envs.sim.config import SimConfig
+    try:
+        _load(backend(name).check)(options)
+    except ConfigError as exc:
+        raise ConfigError([f"env={name}: {p}" for p in exc.problems]) from None
 
-        from_dict(SimConfig, options, "env.options").validate()
-    elif name == "carla":
-        from envs.carla.config import split_options
 
-        split_options(options)
-    elif name == "nuplan":
-        from envs.nuplan.config import NuplanOptions
-        from envs.sim.config import SimConfig
+def merge_options(name: str, base: dict[str, Any], *layers: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with each of ``layers`` on top (later wins), key by key; simulator options (a policy's BEV geometry,
+    an evaluation's route split) go where backend ``name`` keeps them, merged into what is there. A custom backend
+    (``package.module:function``) takes the layers as they are."""
+    key = BACKENDS[name].sim_key if name in BACKENDS else ""
+    out = dict(base)
+    for layer in layers:
+        for k, v in layer.items():
+            if key and k != key and k not in _own_keys(name):  # a simulator option of a nesting backend
+                out[key] = {**(out.get(key) or {}), k: v}
+            elif isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = {**out[k], **v}
+            else:
+                out[k] = v
+    return out
 
-        opts = from_dict(NuplanOptions, options, "env.options").validate()
-        from_dict(SimConfig, opts.sim, "env.options.sim")  # keys and types; values are checked with the data's defaults
-    else:
-        raise _unknown_backend(name)
+
+def _own_keys(name: str) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(options_schema(name))}
 
 
 def make_env(name: str, num_envs: int, device: "str | torch.device" = "cpu", seed: int = 0, **options: Any
              ) -> "BatchedEnv":
     """Build ``num_envs`` environments of backend ``name`` on ``device``."""
-    if name == "sim":
-        from envs.config import from_dict
-        from envs.sim.config import SimConfig
-        from envs.sim.env import SimEnv
+    return _load(backend(name).factory)(num_envs, device, seed, **options)
 
-        return SimEnv(from_dict(SimConfig, options, "env.options").validate(), num_envs, device, seed)
-    if name == "carla":
-        from envs.carla.vector import make_carla_env
 
-        return make_carla_env(num_envs, device, seed, **options)
-    if name == "nuplan":
-        from envs.nuplan.env import make_nuplan_env
-
-        return make_nuplan_env(num_envs, device, seed, **options)
-    raise _unknown_backend(name)
+def make_expert(name: str, env: "BatchedEnv") -> Callable:
+    """Backend ``name``'s rule-based expert for ``env``: ``policy(obs) -> actions`` (it reads privileged state)."""
+    return _load(backend(name).expert)(env)

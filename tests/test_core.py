@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 from envs import make_env
@@ -81,3 +82,33 @@ def test_parts_are_bound_to_the_setup_not_the_env() -> None:
     env.reset()
     r = env.step(torch.zeros(2, 2))
     assert r.obs["measurements"].shape == (2, 8)
+
+
+def test_every_backend_registers_its_parts_once() -> None:
+    """Each registered backend's options dataclass, factory, option check and expert resolve (the evaluation's expert
+    column and the config check find them through the registry, not by trying names)."""
+    import dataclasses
+
+    import envs
+
+    for name, b in envs.BACKENDS.items():
+        assert dataclasses.is_dataclass(envs.options_schema(name))
+        for ref in (b.factory, b.check, b.expert):
+            assert callable(envs._load(ref)), (name, ref)
+    assert envs.final_obs_option("sim") == "keep_final_obs" and envs.final_obs_option("nuplan") == "sim.keep_final_obs"
+
+
+def test_option_sets_merge_one_way_for_every_caller() -> None:
+    """Later layers win key by key; nested mappings merge; a nesting backend (nuPlan) takes simulator options (a
+    policy's BEV geometry) under ``sim``, beside what its config put there; its own keys stay at the top."""
+    import envs
+    from envs.config import ConfigError
+
+    assert envs.merge_options("sim", {"map": "Town01", "reward": {"mode": "carl_carla"}}, {"rules": "leaderboard"},
+                              {"reward": {"ttc_times": [1.0]}, "map": "Town02"}) == {
+        "map": "Town02", "rules": "leaderboard", "reward": {"mode": "carl_carla", "ttc_times": [1.0]}}
+    assert envs.merge_options("nuplan", {"cache_dir": "c", "sim": {"bev_size": 64, "dt": 0.1}},
+                              {"route_split": "eval"}, {"bev_size": 128, "bev_ppm": 1.0}) == {
+        "cache_dir": "c", "route_split": "eval", "sim": {"bev_size": 128, "dt": 0.1, "bev_ppm": 1.0}}
+    with pytest.raises(ConfigError, match=r"env=carla: env.options.bogus=1: unknown key; CARLA keys"):
+        envs.check_options("carla", {"bogus": 1})

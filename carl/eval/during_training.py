@@ -72,12 +72,10 @@ class Evaluation:
         results: dict[str, dict[str, Any]] = {"trained": trained}
         if lg.final_baselines:
             factories: dict[str, PolicyFactory] = {"random": random_policy}
-            expert = None if ":" in name else expert_factory(name)
+            expert = expert_factory(name)  # None for a custom env
             if expert is not None:
                 factories["expert"] = expert
             for who, factory in factories.items():
                 results[who] = evaluate(self.make_env, factory, lg.eval_episodes, lg.eval_max_steps, self.seed)
             write_result(results, self.run_dir / "eval" / "baselines.json")
-            if expert is None and ":" not in name:
-                print(f"(no expert for env {name!r}: envs.{name}.expert.make_expert not found)")
         print(f"final evaluation on {lg.eval_episodes} held-out routes:\n{format_eval_table(results)}")

@@ -16,10 +16,12 @@ from typing import Any, Callable
 import torch
 
 from carl.eval import EvalError
+from carl.factory import make_env
 from carl.eval.benchmarks import Benchmark, RouteGroup
 from carl.eval.policies import PolicyFactory, PolicyFn, PolicySource
 from carl.eval.store import ResultStore, aggregate, nuplan_record_fields, nuplan_summary, summarize, write_result
 from envs.api import BatchedEnv
+from envs.config import ConfigError
 from envs.metrics.leaderboard import make_record
 
 EnvFactory = Callable[[int], BatchedEnv]  # num_envs -> eval env
@@ -62,15 +64,12 @@ def evaluate(make_env: EnvFactory, factory: PolicyFactory, episodes: int, max_st
 
 def make_group_env(group: RouteGroup, num_envs: int, device: torch.device, seed: int,
                    extra: dict[str, Any]) -> BatchedEnv:
-    """The env of ``group`` with ``num_envs`` rows (row i drives route ``first_route + i``), ``extra`` options on top."""
-    import envs
-
-    if group.env == "nuplan":  # policy env options (BEV geometry) are SimConfig overrides there
-        extra = {"sim": {**(group.options.get("sim") or {}), **extra}}
+    """The env of ``group`` with ``num_envs`` rows (row i drives route ``first_route + i``), ``extra`` options (the
+    policy's BEV geometry) on top (:func:`carl.factory.make_env`)."""
     try:
-        return envs.make_env(group.env, num_envs=num_envs, device=device, seed=seed, **{**group.options, **extra})
-    except (TypeError, ValueError) as exc:
-        raise EvalError(f"benchmark group {group.name}: env {group.env!r} rejected its options: {exc}") from None
+        return make_env(group.env, num_envs, device, seed, group.options, extra, where=f"benchmark group {group.name}")
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
 
 
 def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, device: torch.device, seed: int,

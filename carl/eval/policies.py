@@ -6,7 +6,7 @@ expert needs the env for privileged state; the others ignore it).
 """
 from __future__ import annotations
 
-import importlib
+import envs
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,19 +32,11 @@ def random_policy(env: BatchedEnv) -> PolicyFn:
 
 
 def expert_factory(backend: str) -> PolicyFactory | None:
-    """The backend's rule-based expert, if it ships one (hook: ``envs.<backend>.expert.make_expert(env)`` or ``Expert(env)``).
-
-    Returns None when the module or the function is absent, so callers just skip the expert column.
-    """
-    try:
-        module = importlib.import_module(f"envs.{backend}.expert")
-    except ImportError:
+    """The rule-based expert each backend registers (``envs.BACKENDS``); None for a custom env, which has none, so
+    callers just skip the expert column."""
+    if backend not in envs.BACKENDS:
         return None
-    for name in ("make_expert", "Expert", "expert_policy", "ExpertPolicy"):
-        fn = getattr(module, name, None)
-        if callable(fn):
-            return fn  # type: ignore[return-value]
-    return None
+    return lambda env: envs.make_expert(backend, env)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from envs.config import Checks
 
@@ -39,3 +40,14 @@ class NuplanOptions:
                     f"env.options.action_order={list(self.action_order)}: use [accel, steer] or [steer, accel]")
         checks.done()
         return self
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Validate nuPlan's ``env.options`` without building anything: its own keys and ranges, and the keys and types of
+    the simulator options under ``sim`` (their values are checked with the scenarios' defaults when the env is
+    built)."""
+    from envs.config import from_dict
+    from envs.sim.config import SimConfig
+
+    opts = from_dict(NuplanOptions, options, "env.options").validate()
+    from_dict(SimConfig, opts.sim, "env.options.sim")

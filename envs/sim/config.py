@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from envs.api import CONTROL_DT
 from envs.config import Checks
@@ -114,3 +115,10 @@ class SimConfig:
         checks.run(self.reward.validate, f"{prefix}.reward")
         checks.done()
         return self
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Validate the simulator's ``env.options`` (keys, types, ranges) without building anything."""
+    from envs.config import from_dict
+
+    from_dict(SimConfig, options, "env.options").validate()

@@ -10,12 +10,13 @@ traffic, light cycle, CaRL's CARLA observation and reward); the CARLA and nuPlan
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from envs.api import BatchedEnv, StepResult, TensorSpec
-from envs.config import ConfigError
+from envs.config import ConfigError, from_dict
 from envs.reward import RewardState
 from envs.sim import record
 from envs.sim.config import SimConfig
@@ -222,3 +223,7 @@ class SimEnv(BatchedEnv):
         """Length in metres of every route of the world, by route id."""
         return self.world.route_len.tolist()
 
+
+def make_sim_env(num_envs: int, device: str | torch.device = "cpu", seed: int = 0, **options: Any) -> SimEnv:
+    """``envs.make_env("sim", ...)``: the built-in simulator with ``options`` (see :class:`SimConfig`)."""
+    return SimEnv(from_dict(SimConfig, options, "env.options").validate(), num_envs, device, seed)
