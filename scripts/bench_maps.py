@@ -49,7 +49,7 @@ def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, list[float], Any
 
 
 def bench_routes(route_file: Path, repeat: int) -> None:
-    from envs import routes
+    from envs.maps import routes
     from envs.maps.opendrive import load_town
 
     parsed = routes.parse_leaderboard_xml(route_file)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from carl.eval.loop import run_first_episodes  # noqa: E402
 from envs import make_env  # noqa: E402
-from envs.routes import parse_leaderboard_xml  # noqa: E402
+from envs.maps.routes import parse_leaderboard_xml  # noqa: E402
 from envs.sim.expert import Expert  # noqa: E402
 
 

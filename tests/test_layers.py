@@ -36,7 +36,7 @@ ALLOWED: dict[str, str] = {
     "envs.sim.render": "BEV -> RGB frames for training videos (carl/train.py)",
     # evaluation on Leaderboard route files: carl-eval reads the route XML to split a CARLA benchmark's routes by town
     # into groups, and turns a bad route file (RouteError) into a clean CLI error
-    "envs.routes": "carl-eval parses Leaderboard route XML (towns, groups) and reports RouteError",
+    "envs.maps.routes": "carl-eval parses Leaderboard route XML (towns, groups) and reports RouteError",
     # evaluation: a bad town / map file (MapError) becomes a clean carl-eval error instead of a traceback
     "envs.maps.lanegraph": "carl-eval reports MapError as a CLI error",
     # evaluation on nuPlan (Val14): carl-eval reads the split's scenario tokens and prepares the scenario cache

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import shapely
 
-from envs import routes
+from envs.maps import routes
 from envs.maps import procedural
 from envs.nuplan import gpkg
 

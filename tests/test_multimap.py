@@ -12,8 +12,8 @@ from envs import make_env
 from envs.maps.atlas import build_atlas
 from envs.maps.lanegraph import Lane, LaneGraph, MapError
 from envs.maps.procedural import ProceduralConfig, generate_world
-from envs.maps.raster import compile_raster
-from envs.routes import RouteError, random_routes
+from envs.maps.rasterize import compile_raster
+from envs.maps.routes import RouteError, random_routes
 from envs.sim.agents import LEADERBOARD_VEHICLES, vehicles_per_map
 from envs.config import ConfigError
 from envs.sim.world import bev_reach_m
@@ -190,7 +190,7 @@ def test_turn_bias_makes_routes_turn_more() -> None:
     """At every choice between turning and straight successors, a route turns with the rule's probability:
     sum over turning exits of (1 + bias) / sum over all exits of (1 + bias * turning)."""
     g = generate_world(ProceduralConfig(), [0, 1])
-    from envs.routes import _turning_lanes
+    from envs.maps.routes import _turning_lanes
 
     turning = _turning_lanes(g)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from envs import make_env
-from envs.maps.raster import speed_encoding
+from envs.maps.rasterize import speed_encoding
 from envs.sim.agents import LIGHT_BRAKE
 from envs.sim.env import SimEnv
 from envs.sim.observation import bev_config, yellow_value
-from envs.sim.raster import world_to_bev
+from envs.sim.bev_draw import world_to_bev
 
 SMALL = dict(town_seeds=(0,), num_routes=16, route_length=(150.0, 250.0), bev_size=128, bev_ppm=2.0,
              bev_ego_from_bottom=50, num_vehicles=2, num_pedestrians=2, num_statics=2)

@@ -278,7 +278,7 @@ def test_own_map_loads_connected(own_maps: dict[str, LaneGraph], name: str) -> N
 
 
 def test_roundabout_without_signals_has_no_control_and_routes(own_maps: dict[str, LaneGraph]) -> None:
-    from envs.routes import random_routes
+    from envs.maps.routes import random_routes
 
     g = own_maps["roundabout_no_signals"]
     assert len(g.stop_lane) == 0 and len(g.light_junction) == 0  # four junctions with two approach roads each
@@ -320,7 +320,7 @@ def test_width_taper_follows_the_cubic_polynomial(own_maps: dict[str, LaneGraph]
         assert abs(np.interp(s, p[:, 0], p[:, 1]) + expected / 2) < 0.01  # the lane centre moves out with it
     assert math.isclose(_taper_width(75.0), 4.5) and math.isclose(_taper_width(0.0), 3.0)
     # the road raster follows the taper: 4.4 m right of the reference line is road where the lane is 4.5 m wide only
-    from envs.maps.raster import LAYER_ROAD, compile_raster
+    from envs.maps.rasterize import LAYER_ROAD, compile_raster
 
     r = compile_raster(g, ppm=4.0)
 

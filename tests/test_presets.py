@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from carl.config import compose
 from envs.sim.config import SimConfig
-from envs.sim.raster import BevConfig, world_to_bev
+from envs.sim.bev_draw import BevConfig, world_to_bev
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "training.md"
 

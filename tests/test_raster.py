@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from envs.maps.lanegraph import MARK_BROKEN, MARK_SOLID, Lane, LaneGraph
-from envs.maps.raster import (LAYER_CROSSWALK, LAYER_JUNCTION, LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER,
+from envs.maps.rasterize import (LAYER_CROSSWALK, LAYER_JUNCTION, LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER,
                               LAYER_SPEED_SIGNS, MapRaster, compile_raster, load_or_compile_raster, speed_encoding)
-from envs.sim.raster import (BevConfig, box_fraction_on, crop_static, draw_boxes, draw_discs, draw_segments,
+from envs.sim.bev_draw import (BevConfig, box_fraction_on, crop_static, draw_boxes, draw_discs, draw_segments,
                              world_to_bev)
 from envs.sim.render import bev_to_rgb, overlay_text, write_frames
 

@@ -1,4 +1,4 @@
-"""Tests of envs.routes: random routes, keypoint planning and leaderboard route files."""
+"""Tests of envs.maps.routes: random routes, keypoint planning and leaderboard route files."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from envs.maps.lanegraph import MARK_BROKEN, Lane, LaneGraph
-from envs.routes import Route, RouteError, load_leaderboard_routes, parse_leaderboard_xml, plan_route, random_routes
+from envs.maps.routes import Route, RouteError, load_leaderboard_routes, parse_leaderboard_xml, plan_route, random_routes
 
 ROUTES_DIR = Path("/work/shared/data/carla/routes")
 LONGEST6_V2 = ROUTES_DIR / "longest6_v2.xml"

@@ -44,7 +44,7 @@ from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, f
 from envs.carla.lights import CarlaLights, CarlaLightSource
 from envs.carla.worker import split_action, vehicle_control
 from envs.maps.opendrive import carla_to_world
-from envs.routes import plan_route
+from envs.maps.routes import plan_route
 from envs.sim import infractions
 from envs.config import from_dict
 from envs.sim.config import SimConfig

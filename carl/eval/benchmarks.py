@@ -76,7 +76,7 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
     if per_env < 0:
         raise EvalError(f"benchmark.parallel_routes={per_env} must be >= 1 (or null: every route of a town at once)")
     if route_file:
-        from envs.routes import parse_leaderboard_xml
+        from envs.maps.routes import parse_leaderboard_xml
 
         path = _repo_path(route_file)
         routes = parse_leaderboard_xml(path)

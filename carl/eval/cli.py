@@ -159,7 +159,7 @@ class EvalCommand(Command):
     @property
     def errors(self) -> dict[type[BaseException], tuple[str, int, str]]:  # type: ignore[override]
         from envs.maps.lanegraph import MapError
-        from envs.routes import RouteError
+        from envs.maps.routes import RouteError
 
         error = ("carl-eval error", 2, "")
         return {ConfigError: error, EvalError: error, CheckpointError: error, BundleError: error, RouteError: error,

@@ -18,7 +18,7 @@ import torch
 
 from envs.maps.lanegraph import LaneGraph
 from envs.maps.opendrive import carla_to_world, carla_yaw_to_world, load_town
-from envs.routes import parse_leaderboard_xml
+from envs.maps.routes import parse_leaderboard_xml
 from envs.sim.agents import (LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER, PEDESTRIAN_HALF,
                               Pedestrians, Vehicles)
 from envs.sim.config import SimConfig

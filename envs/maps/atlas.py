@@ -4,7 +4,7 @@ The batched step then needs no map index at all: a position names its map, lane 
 the raster lookups (off-road, lane under a point, BEV crops) read one atlas raster. Maps sit at least ``gap_m`` apart,
 a distance chosen wider than anything the simulator looks at (the BEV's reach), so no map is ever seen from another.
 
-Each map keeps its own cached raster (:func:`~envs.maps.raster.load_or_compile_raster`); the atlas pastes them into
+Each map keeps its own cached raster (:func:`~envs.maps.rasterize.load_or_compile_raster`); the atlas pastes them into
 one array at pixel-aligned places found by a rectangle packer (``rectpack``'s MaxRects), so building an atlas costs a
 copy, not a rasterisation.
 """
@@ -18,7 +18,7 @@ import rectpack
 import torch
 
 from envs.maps.lanegraph import LaneGraph, MapError
-from envs.maps.raster import MapRaster
+from envs.maps.rasterize import MapRaster
 
 ALIGN_PX = 16  # places are multiples of this many pixels, so max-pooled BEV sources stay aligned with the map's own
 

@@ -3,7 +3,7 @@
 Every map source (procedural towns, OpenDRIVE through ``carla.Map``, nuPlan GeoPackage) builds a list of
 :class:`Lane` objects plus traffic control and calls :meth:`LaneGraph.build`. The simulator only ever sees a
 ``LaneGraph`` (numpy, saved to a compact versioned ``.npz``) and its compiled raster layers
-(:mod:`envs.maps.raster`).
+(:mod:`envs.maps.rasterize`).
 
 Frame: right-handed, metres, x east, y north, yaw counter-clockwise from +x. Loaders of left-handed sources
 (CARLA) flip y before building.

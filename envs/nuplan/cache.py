@@ -47,7 +47,7 @@ from envs.nuplan.mapgraph import POLYGON_FIELDS, PolygonSet, build_patch, map_la
 from envs.nuplan.nuplan_map import load_location, load_map
 from envs.nuplan.reader import (AGENT_TYPES, NuplanDataError, ScenarioData, ScenarioSpec, find_logs, load_scenario,
                                 missing_tokens_message, scan_logs, select_named)
-from envs.routes import Route
+from envs.maps.routes import Route
 
 CACHE_VERSION = 2  # 2: map polygon layers (drivable, carl_drivable, route_polygons)
 AGENT_CAPS = {"vehicle": 50, "pedestrian": 50, "bicycle": 10, "static": 10}

@@ -40,7 +40,7 @@ from envs.nuplan.logs import LIGHT_PHASE, NuplanState, ScenarioLogs, agent_slots
 from envs.nuplan.reader import FRAME_S
 from envs.nuplan.observation import NuplanObserver
 from envs.nuplan.scoring import NuplanMetrics
-from envs.routes import Route
+from envs.maps.routes import Route
 from envs.sim import agents
 from envs.sim.agents import Vehicles
 from envs.sim.config import SimConfig

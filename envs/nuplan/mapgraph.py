@@ -25,7 +25,7 @@ from scipy.spatial import cKDTree
 from envs.maps.lanegraph import CONTROL_LIGHT, MARK_BROKEN, MARK_SOLID, Lane, LaneGraph, LightGroup, StopLine
 from envs.nuplan.gpkg import require
 from envs.nuplan.nuplan_map import CARL_DRIVABLE_LAYERS, DRIVABLE_LAYERS, ROUTE_LAYERS, NuplanMap
-from envs.routes import Route
+from envs.maps.routes import Route
 
 DEFAULT_SPEED_LIMIT = 13.89  # m/s where the map has none
 POLYGON_FIELDS = ("drivable", "carl_drivable", "route_polygons")  # the scenario's polygon layers (map_layers)

@@ -2,7 +2,7 @@
 NuplanObserver())``.
 
 * ``bev`` uint8 [9, H, W], ego-centred, heading up, drawn by the simulator's batched rasteriser
-  (:mod:`envs.sim.raster`) from the world's map raster and the state's actors. With CaRL's geometry (``bev_size``
+  (:mod:`envs.sim.bev_draw`) from the world's map raster and the state's actors. With CaRL's geometry (``bev_size``
   256, ``bev_ppm`` 2, ``bev_ego_from_bottom`` 100: the SimConfig options, so tests can run small) it covers 78 m
   ahead of the ego centre, 50 m behind and 64 m to each side. Channels (:data:`envs.api.NUPLAN_BEV_CHANNELS`):
 
@@ -46,13 +46,13 @@ from envs.api import (LAYOUT_NUPLAN, NUPLAN_ACTIONS, NUPLAN_BEV_CHANNELS, NUPLAN
                       NUPLAN_VALUE_MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec,
                       action_permutation)
 from envs.maps.lanegraph import CONTROL_LIGHT
-from envs.maps.raster import (LAYER_ROAD, MapRaster, _draw_capsules, _polyline_segments,  # noqa: PLC2701
+from envs.maps.rasterize import (LAYER_ROAD, MapRaster, _draw_capsules, _polyline_segments,  # noqa: PLC2701
                               _vertex_normals)
 from envs.sim.agents import PEDESTRIAN_HALF
 from envs.sim.world import bev_reach_m
 from envs.sim.observation import bev_config
 from envs.sim.parts import Observer
-from envs.sim.raster import BevConfig, crop_index, crop_static, draw_boxes, draw_segments, world_to_bev
+from envs.sim.bev_draw import BevConfig, crop_index, crop_static, draw_boxes, draw_segments, world_to_bev
 from envs.sim.world import LightFn, World
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from envs.maps.raster import LAYER_ROAD, LAYER_SHOULDER
+from envs.maps.rasterize import LAYER_ROAD, LAYER_SHOULDER
 from envs.sim.geometry import boxes_overlap, boxes_overlap_moving, wrap_angle
-from envs.sim.raster import box_fraction_on
+from envs.sim.bev_draw import box_fraction_on
 from envs.sim.world import World, lane_lookup
 
 # Leaderboard 2.0 infraction coefficients (benchmarks.md §2.1)

@@ -7,13 +7,13 @@ from torch import Tensor
 from envs.api import (BEV_CHANNELS, LAYOUT_CARLA, MEASUREMENTS, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS,
                       VALUE_MEASUREMENTS, TensorSpec)
 from envs.maps.lanegraph import CONTROL_STOP
-from envs.maps.raster import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
+from envs.maps.rasterize import LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER, LAYER_SPEED_SIGNS, speed_encoding
 from envs.reward import RewardConfig
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY, LIGHT_LEFT_BLINKER, LIGHT_RIGHT_BLINKER
 from envs.sim.config import SimConfig
 from envs.sim.infractions import lane_measures
 from envs.sim.parts import Observer
-from envs.sim.raster import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
+from envs.sim.bev_draw import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
 from envs.sim.world import LightFn, World
 
 STATIC_LAYERS = {0: LAYER_ROAD, 2: LAYER_MARKINGS, 7: LAYER_SPEED_SIGNS, 9: LAYER_SHOULDER}

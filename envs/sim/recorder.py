@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from envs.sim.observation import bev_config
-from envs.sim.raster import world_to_bev
+from envs.sim.bev_draw import world_to_bev
 from envs.sim.render import bev_to_rgb, overlay_text
 
 if TYPE_CHECKING:  # the env is what these read, not a dependency of theirs

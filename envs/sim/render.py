@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from envs.api import BEV_CHANNELS
 from envs.sim.config import SimConfig
-from envs.sim.raster import BevConfig
+from envs.sim.bev_draw import BevConfig
 
 __all__ = ["BEV_CHANNELS", "BEV_COLOURS", "bev_to_rgb", "overlay_text", "write_frames"]
 

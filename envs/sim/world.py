@@ -17,8 +17,8 @@ from torch import Tensor
 
 from envs.maps.lanegraph import LaneGraph, MapError
 from envs.maps.atlas import build_atlas
-from envs.maps.raster import MapRaster, load_or_compile_raster
-from envs.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
+from envs.maps.rasterize import MapRaster, load_or_compile_raster
+from envs.maps.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim.config import SimConfig
 
 

@@ -2,7 +2,7 @@
 
 The simulator never draws the static map per tick: it compiles the lane graph once into a stack of uint8 layers
 (road, shoulder, lane markings, speed signs, junction area, crosswalks) plus a per-pixel lane-segment index
-(``seg_id``), and then only warps/crops those layers (:mod:`envs.sim.raster`).
+(``seg_id``), and then only warps/crops those layers (:mod:`envs.sim.bev_draw`).
 
 Raster frame: pixel ``(row, col)`` covers the world square whose corner is ``origin + (col, row) / ppm``; the row index
 grows with world y (north) and the column index with world x (east). Note that this is *not* image orientation

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from envs.maps.raster import MapRaster
+from envs.maps.rasterize import MapRaster
 
 __all__ = ["BevConfig", "crop_static", "crop_index", "world_to_bev", "draw_boxes", "draw_discs", "draw_segments",
            "box_fraction_on"]
