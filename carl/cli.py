@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+import envs
 from carl import config, runlock, sweep
 from carl.config import CONF_DIR, ConfigError
 
@@ -351,8 +352,18 @@ class HydraTask:
 
 
 def help_text(command: Command) -> str:
-    """``--help``: the command's docstring, its config groups and Hydra's flags."""
-    lines = [(command.doc or "").strip(), "", "Config groups (conf/):"]
+    """``--help``: the command's docstring, every option with its default and help, its config groups and Hydra's
+    flags."""
+    from envs.config import describe_fields
+
+    lines = [(command.doc or "").strip(), "", "Options (key = default: help):"]
+    schemas = list((command.schemas or {"train": config.TrainConfig}).values())
+    rows = [row for schema in schemas for row in describe_fields(schema)]
+    if command.name == "train":  # env.options: the default backend's (the simulator's); other backends: env=<name>
+        rows += describe_fields(envs.options_schema("sim"), "env.options")
+    for key, default, help_ in rows:
+        lines.append(f"  {key} = {default}" + (f": {help_}" if help_ else ""))
+    lines += ["", "Config groups (conf/):"]
     for group in command.groups:
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         lines.append(f"  {'+' if group == 'experiment' else ''}{group}: {', '.join(options)}")
@@ -394,6 +405,7 @@ def launch(command: Command, plan: Plan) -> int:
     config.register_configs()
     if plan.help:
         config.register_help(help_text(command))
+        config._base([], command.name, command.schemas, command.groups)  # the command's own schema, for Hydra's help
     OUTCOMES.clear()
     task = HydraTask(command, plan.multirun)
     app = hydra.main(config_path=str(CONF_DIR), config_name=command.name, version_base=None)(task)

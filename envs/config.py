@@ -1,5 +1,7 @@
 """Configuration plumbing shared by every backend and by the trainer: one error type that reports every problem at
-once, and plain-dictionary -> dataclass conversion with the key, the value and the fix named.
+once, plain-dictionary -> dataclass conversion with the key, the value and the fix named, and options declared once
+(:func:`option`: default, help, choices, range) with one checker (:func:`check_fields`) and one help listing
+(:func:`describe_fields`).
 
 No torch here: the CARLA stand-in server and the map compiler use it without loading torch.
 """
@@ -7,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+import functools
+import inspect
+import re
+from typing import Any, Callable
 
 
 class ConfigError(ValueError):
@@ -84,3 +89,109 @@ def from_dict(cls: type, values: dict[str, Any], prefix: str = "env") -> Any:
         kwargs[key] = value
     checks.done()
     return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- declared options
+def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple | None = None,  # noqa: A002
+           ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+           factory: Callable[[], Any] | None = None) -> Any:
+    """A config field declared once: its default, its help (``--help`` prints it) and its allowed values (choices, or
+    a range), which :func:`check_fields` checks for every config that uses it."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _word(x: Any) -> str:
+    return str(x).lower() if isinstance(x, bool) else str(x)
+
+
+def field_problem(key: str, value: Any, meta: dict[str, Any], default: Any) -> str | None:
+    """What is wrong with ``key=value`` under the field's declared choices or range (None: nothing)."""
+    hint = f" (default {_word(default)})" if default is not dataclasses.MISSING else ""
+    choices = meta.get("choices")
+    if choices is not None:
+        if value in choices and (isinstance(value, bool) == any(isinstance(c, bool) and c == value for c in choices)
+                                 or not isinstance(value, bool)):
+            return None
+        words = [_word(c) for c in choices]
+        listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+        return f"{key}={value!r} must be {listed}{hint}"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    lo = (ge, "[") if ge is not None else (gt, "(") if gt is not None else None
+    hi = (le, "]") if le is not None else (lt, ")") if lt is not None else None
+    ok = ((lo is None or (value >= lo[0] if lo[1] == "[" else value > lo[0]))
+          and (hi is None or (value <= hi[0] if hi[1] == "]" else value < hi[0])))
+    if ok:
+        return None
+    if lo and hi:
+        return f"{key}={value!r} must be in {lo[1]}{_num(lo[0])}, {_num(hi[0])}{hi[1]}{hint}"
+    if lo:
+        return f"{key}={value!r} must be {'>=' if lo[1] == '[' else '>'} {_num(lo[0])}{hint}"
+    return f"{key}={value!r} must be {'<=' if hi[1] == ']' else '<'} {_num(hi[0])}{hint}"
+
+
+def check_fields(obj: Any, prefix: str, checks: Checks) -> None:
+    """Check every declared field of the dataclass ``obj`` (and of the dataclasses it holds) against its choices and
+    range; each problem goes to ``checks`` named by its dotted key (``prefix.name``)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_fields(value, key, checks)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        problem = field_problem(key, value, dict(f.metadata), default)
+        if problem:
+            checks.need(False, problem)
+
+
+@functools.lru_cache(maxsize=None)
+def _comments(cls: type) -> dict[str, str]:
+    """The trailing and preceding ``#`` comments of each field in ``cls``'s source (the help of fields declared
+    without :func:`option`)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out, above = {}, []
+    for line in lines:
+        s = line.strip()
+        if s.startswith("#"):
+            above.append(s.lstrip("# ").strip())
+            continue
+        m = re.match(r"(\w+)\s*:[^=]+(=.*)?$", s)
+        if m and not s.startswith(("def ", "return", "@")):
+            tail = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            out[m.group(1)] = " ".join([*above, tail]).strip()
+        above = []
+    return out
+
+
+def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) of every field of the dataclass ``cls``, nested ones expanded: what ``--help``
+    lists."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+            if dataclasses.is_dataclass(value):
+                rows += describe_fields(type(value), key)
+                continue
+            default = repr(value)
+        else:
+            default = _word(f.default) if f.default is not dataclasses.MISSING else "(required)"
+        meta = dict(f.metadata)
+        help_ = meta.get("help") or _comments(cls).get(f.name, "")
+        if meta.get("choices"):
+            help_ = f"{help_} [{' | '.join(_word(c) for c in meta['choices'])}]".strip()
+        rows.append((key, default, help_))
+    return rows

@@ -45,7 +45,7 @@ class NuplanRewardConfig:
     lane_distance_threshold: float = 0.5  # m from the lane centre that is not penalised
     lane_distance_penalty: float = 0.5  # factor = 1 - penalty * normalised distance, in [1 - penalty, 1]
     lane_distance_eps: float = 1e-6  # added to the normaliser (CaRL's code)
-    use_too_fast: bool = True
+    use_too_fast: bool = True  # the too-fast factor
     speeding_margin: float = SPEED_VIOLATION_MAX  # m/s over the limit at which too_fast reaches 0 (nuPlan's)
     speeding_margin_floor: float = 1e-3  # CaRL floors the margin so that 0 cannot divide
     use_off_route: bool = True  # off_route "v1"
@@ -53,11 +53,11 @@ class NuplanRewardConfig:
     comfort_accumulation: str = "value"  # "value" | "terminal" (a failed comfort check ends the episode; "regular")
     comfort_min_states: int = MIN_COMFORT_STATES  # factor 1.0 until the episode has this many ego states
     comfort_lon_acc: tuple[float, float] = COMFORT_BOUNDS["lon_acc"]  # nuPlan's bounds (envs.comfort), strict
-    comfort_lat_acc: float = COMFORT_BOUNDS["lat_acc"]
-    comfort_jerk: float = COMFORT_BOUNDS["jerk"]
-    comfort_lon_jerk: float = COMFORT_BOUNDS["lon_jerk"]
-    comfort_yaw_rate: float = COMFORT_BOUNDS["yaw_rate"]
-    comfort_yaw_acc: float = COMFORT_BOUNDS["yaw_acc"]
+    comfort_lat_acc: float = COMFORT_BOUNDS["lat_acc"]  # m/s², nuPlan's bound
+    comfort_jerk: float = COMFORT_BOUNDS["jerk"]  # m/s³
+    comfort_lon_jerk: float = COMFORT_BOUNDS["lon_jerk"]  # m/s³
+    comfort_yaw_rate: float = COMFORT_BOUNDS["yaw_rate"]  # rad/s
+    comfort_yaw_acc: float = COMFORT_BOUNDS["yaw_acc"]  # rad/s²
     use_ttc: bool = True  # ttc "v2", sticky
     ttc_factor: float = 0.5  # FAIL_TTC
     ttc_accumulation: str = "value"  # "value" | "terminal" (a failed TTC ends the episode; "regular")
@@ -113,22 +113,22 @@ class RewardConfig:
 
     terminal_penalty: float = 1.0  # subtracted on collision / red-light termination
     use_outside_lanes: bool = True  # dRC = 0 while outside route lanes
-    use_speeding: bool = True
+    use_speeding: bool = True  # the speeding factor (p_speed)
     speeding_margin: float = SPEED_VIOLATION_MAX  # m/s over the limit at which p_speed reaches 0 (nuPlan's)
-    use_ttc: bool = True
-    ttc_factor: float = 0.5
-    ttc_penalty_ticks: int = 500
-    ttc_times: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    use_comfort: bool = True
-    comfort_penalty_ticks: int = 500
+    use_ttc: bool = True  # the time-to-collision factor
+    ttc_factor: float = 0.5  # reward factor while a TTC violation is penalised
+    ttc_penalty_ticks: int = 500  # steps a TTC violation stays penalised
+    ttc_times: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # s ahead at which the constant-velocity forecast is checked
+    use_comfort: bool = True  # the comfort factor
+    comfort_penalty_ticks: int = 500  # steps a comfort violation stays penalised
     # limits: lon acc range, |lat acc|, |jerk|, |lon jerk|, |yaw rate|, |yaw acc|
     comfort_lon_acc: tuple[float, float] = (-20.0, 10.0)
-    comfort_lat_acc: float = 9.0
-    comfort_jerk: float = 30.0
-    comfort_lon_jerk: float = 30.0
-    comfort_yaw_rate: float = 1.0
-    comfort_yaw_acc: float = 3.0
-    use_lane_centre: bool = True
+    comfort_lat_acc: float = 9.0  # m/s²
+    comfort_jerk: float = 30.0  # m/s³
+    comfort_lon_jerk: float = 30.0  # m/s³
+    comfort_yaw_rate: float = 1.0  # rad/s
+    comfort_yaw_acc: float = 3.0  # rad/s²
+    use_lane_centre: bool = True  # the lane-centre factor (distance to the lane centre)
     survival_bonus: float = 0.0  # CaRL: off on CARLA
     mode: str = "carl_carla"  # "carl_carla" (the fields above) | "carl_nuplan" (the fields of `nuplan`)
     nuplan: NuplanRewardConfig = field(default_factory=NuplanRewardConfig)  # mode "carl_nuplan"

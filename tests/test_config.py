@@ -288,3 +288,47 @@ def test_a_town_that_is_not_there_says_how_to_add_it(tmp_path: Path) -> None:
     with pytest.raises(MapError, match=r"unknown town 'osm_grid': no osm_grid.xodr in .* \(maps_dir\); available: "
                                        r"Town01; to add a map, put osm_grid.xodr there or set CARL_CARLA_MAPS"):
         load_town("osm_grid", maps_dir=tmp_path)
+
+
+def test_declared_options_are_checked_and_listed_with_their_help() -> None:
+    """One declaration per option (envs.config.option): check_fields reports each bad value by its key with the
+    declared bound or choices, and describe_fields lists every key, nested ones included, with its help."""
+    import dataclasses
+
+    from envs.config import Checks, check_fields, describe_fields, option
+
+    @dataclasses.dataclass
+    class Inner:
+        rate: float = option(0.5, "a share", gt=0, lt=1)
+
+    @dataclasses.dataclass
+    class Outer:
+        n: int = option(2, "how many", ge=1)
+        mode: str = option("a", "which", choices=("a", "b"))
+        flag: bool | str = option(False, "on, off or auto", choices=(True, False, "auto"))
+        inner: Inner = option(help="nested", factory=Inner)
+        plain: int = 3  # documented by its comment
+
+    checks = Checks()
+    check_fields(Outer(n=0, mode="c", flag="yes", inner=Inner(rate=1.0)), "x", checks)
+    assert checks.problems == ["x.n=0 must be >= 1 (default 2)", "x.mode='c' must be a or b (default a)",
+                               "x.flag='yes' must be true, false or auto (default false)",
+                               "x.inner.rate=1.0 must be in (0, 1) (default 0.5)"]
+    checks = Checks()
+    check_fields(Outer(flag=True), "x", checks)
+    assert checks.problems == []
+    rows = {k: (d, h) for k, d, h in describe_fields(Outer)}
+    assert rows["n"] == ("2", "how many") and rows["inner.rate"] == ("0.5", "a share")
+    assert rows["mode"] == ("a", "which [a | b]") and rows["plain"] == ("3", "documented by its comment")
+
+
+def test_help_lists_every_training_key_with_its_help() -> None:
+    from carl.cli import help_text
+    from carl.train import TrainCommand
+    from envs.config import describe_fields
+    from envs.sim.config import SimConfig
+
+    text = help_text(TrainCommand())
+    for key, _, help_ in describe_fields(TrainConfig) + describe_fields(SimConfig, "env.options"):
+        assert help_, f"{key} has no help"
+        assert f"  {key} = " in text, key

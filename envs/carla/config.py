@@ -21,23 +21,23 @@ CARLA_OWNS = ("map", "maps", "map_weights")
 class CarlaConfig:
     """CARLA-specific options of ``env=carla`` (the remaining options configure the shared :class:`SimConfig`)."""
 
-    town: str = "Town01"
-    host: str = "127.0.0.1"
+    town: str = "Town01"  # the CARLA town every worker loads
+    host: str = "127.0.0.1"  # where the servers listen
     base_port: int = 2000  # first RPC port; server i uses the i-th free block of 4 ports (rpc, stream, primary, TM)
-    port_stride: int = 4
+    port_stride: int = 4  # ports between consecutive workers' servers
     launch: bool = True  # start and restart servers ourselves; false = connect to servers already running
     executable: str | None = None  # CarlaUE4.sh; default $CARLA_ROOT/CarlaUE4.sh
-    extra_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()  # more command-line arguments of CarlaUE4.sh
     gpus: tuple[int, ...] = ()  # Vulkan adapter indices, assigned round-robin; () = let CARLA choose
     no_rendering: bool = True  # -nullrhi: BEV training needs no rendering
     traffic_vehicles: int = 20  # background vehicles spawned on the Traffic Manager
-    traffic_pedestrians: int = 10
+    traffic_pedestrians: int = 10  # walkers spawned per episode
     walker_ai: bool = True  # walkers driven by CARLA's AI controllers (needs the server's navigation mesh)
     client_timeout: float = 10.0  # seconds a client call (tick) may take before the server counts as dead
     ready_timeout: float = 180.0  # seconds a (re)started server has to answer
     max_restarts: int = 1000  # per worker
-    check_version: bool = True
-    log_dir: str = "carla_logs"
+    check_version: bool = True  # refuse a server whose version differs from the client's
+    log_dir: str = "carla_logs"  # server logs (one file per server, rewritten on every restart)
     start_method: str = "spawn"  # multiprocessing start method of the worker processes
     carla_lights: bool = True  # light states from CARLA's traffic-light actors; false = the simulator's light cycle
     vehicle_lights: bool = True  # the Traffic Manager drives background vehicles' brake lights and blinkers

@@ -77,14 +77,14 @@ class ProceduralConfig:
 
     kind: str = "grid"  # "grid" (regular) or "irregular" (jittered nodes, some roads removed)
     rows: int = 3  # junction nodes
-    cols: int = 3
+    cols: int = 3  # junction columns of the grid
     block: float = 80.0  # nominal spacing between junction centres (m)
     lanes_per_direction: tuple[int, int] = (1, 2)  # inclusive range sampled per road (1..3 allowed)
-    lane_width: float = 3.5
+    lane_width: float = 3.5  # m
     speed_limits: tuple[float, ...] = (8.33, 11.11, 13.89)  # m/s sampled per road
     signal_fraction: float = 0.6  # fraction of degree>=3 junctions with traffic lights; the rest are all-way stop
-    shoulder_width: float = 1.5
-    crosswalks: bool = True
+    shoulder_width: float = 1.5  # m
+    crosswalks: bool = True  # crosswalks at junctions
 
 
 # ---------------------------------------------------------------------------------------------------- validation

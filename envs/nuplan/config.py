@@ -11,14 +11,14 @@ from envs.config import Checks
 class NuplanOptions:
     """``env.options`` of ``env=nuplan`` (validated once; unknown keys are errors)."""
 
-    cache_dir: str = "data/nuplan_cache"
+    cache_dir: str = "data/nuplan_cache"  # the scenario cache (built from data_root when given)
     data_root: str | None = None  # build missing cache files from these logs (maps under <data_root>/maps)
-    maps_root: str | None = None
+    maps_root: str | None = None  # nuPlan maps; default <data_root>/maps
     split: str | None = None  # e.g. "mini", "val" (nuplan-v1.1/splits/<split>)
     split_yaml: str | None = None  # scenario filter yaml (e.g. val14_split.yaml): its tokens and types
-    tokens: tuple[str, ...] | None = None
-    log_names: tuple[str, ...] | None = None
-    scenario_types: tuple[str, ...] | None = None
+    tokens: tuple[str, ...] | None = None  # only these scenario tokens
+    log_names: tuple[str, ...] | None = None  # only scenarios of these logs
+    scenario_types: tuple[str, ...] | None = None  # only scenarios of these types
     max_scenarios: int = 64  # scenarios held by one env object (the training pool / evaluation set)
     reactive: bool = False  # IDM vehicles instead of log replay
     red_light: bool = False  # red-light termination (CaRL nuPlan: off)

@@ -19,13 +19,13 @@ class SimConfig:
     # several maps in one world (any mix of the names `map` takes), each episode on one of them drawn with
     # `map_weights` (default: equal); replaces `map` when given
     maps: tuple[str, ...] = ()
-    map_weights: tuple[float, ...] = ()
+    map_weights: tuple[float, ...] = ()  # sampling weight of each of `maps` (default: equal)
     procedural: ProceduralConfig = field(default_factory=ProceduralConfig)
     town_seeds: tuple[int, ...] = (0, 1, 2, 3)  # procedural towns used for training
     eval_town_seeds: tuple[int, ...] = (1000, 1001)  # held-out towns for route_split="eval"
     route_split: str = "train"  # "train" (random routes, shuffled) or "eval" (fixed held-out routes)
     route_file: str | None = None  # Leaderboard route XML: its routes replace random routes
-    route_length: tuple[float, float] = (150.0, 400.0)
+    route_length: tuple[float, float] = (150.0, 400.0)  # m, (min, max) length of random routes
     route_turn_bias: float = 0.0  # random routes take turning successors (1 + bias) times as often as straight ones
     route_junction_start: float = 0.0  # share of random routes that start 5-50 m before a junction (Leaderboard-like)
     num_routes: int = 512  # size of the random route bank
@@ -35,40 +35,40 @@ class SimConfig:
     cache_dir: str | None = None  # compiled map cache; default ~/.cache/carl/maps
     # --- actors (maximum per environment; padded tensors)
     traffic: bool = True
-    num_vehicles: int = 12
-    num_pedestrians: int = 4
-    num_statics: int = 2
+    num_vehicles: int = 12  # vehicle slots per environment
+    num_pedestrians: int = 4  # pedestrian slots per environment
+    num_statics: int = 2  # parked-obstacle slots per environment
     # "fixed": num_vehicles around every ego | "leaderboard": each CARLA town's background vehicle count of the
     # Leaderboard (LEADERBOARD_VEHICLES) per lane km, times the lane km around the ego, at most num_vehicles
     traffic_density: str = "fixed"
     # --- observation
-    bev: bool = True
-    bev_size: int = 128
-    bev_ppm: float = 2.0
-    bev_ego_from_bottom: int = 50
-    route_points_drawn: int = 150
-    keep_final_obs: bool = False
+    bev: bool = True  # draw the BEV (false: a zero BEV of the same shape, for speed)
+    bev_size: int = 128  # BEV pixels per side (CaRL: 256)
+    bev_ppm: float = 2.0  # BEV pixels per metre
+    bev_ego_from_bottom: int = 50  # BEV rows behind the ego (CaRL: 100 of 256)
+    route_points_drawn: int = 150  # route points (1 m apart) ahead drawn in the route channel
+    keep_final_obs: bool = False  # put the terminal observation in info["final_obs/<key>"]
     # --- dynamics and timing
-    dt: float = CONTROL_DT
+    dt: float = CONTROL_DT  # s per step (the control period; CARLA ticks at it too)
     max_steer: float = 0.6  # rad, front wheel angle at |steer| = 1
-    wheelbase: float = 2.9
-    max_accel: float = 4.0
-    max_brake: float = 8.0
-    ego_half_extent: tuple[float, float] = (2.45, 1.05)
-    light_green: float = 8.0
-    light_yellow: float = 2.0
-    light_all_red: float = 1.0
+    wheelbase: float = 2.9  # m, of the kinematic bicycle
+    max_accel: float = 4.0  # m/s² at full throttle
+    max_brake: float = 8.0  # m/s² at full brake
+    ego_half_extent: tuple[float, float] = (2.45, 1.05)  # m, the ego's half length and half width (CaRL's Lincoln MKZ)
+    light_green: float = 8.0  # s of green per phase of the light cycle
+    light_yellow: float = 2.0  # s of yellow per phase
+    light_all_red: float = 1.0  # s of all-red between phases
     # --- episode ends (CaRL's values; rules="leaderboard" uses Leaderboard 2.0's instead, see envs/sim/criteria.py)
     rules: str = "carl"  # "carl": every hard infraction ends the episode (training) | "leaderboard": LB 2.0 scoring
-    max_time: float = 1200.0
-    blocked_time: float = 90.0
-    blocked_speed: float = 0.1
+    max_time: float = 1200.0  # s: an episode ends by timeout after this (CaRL's rules)
+    blocked_time: float = 90.0  # s below blocked_speed that end an episode as blocked (CaRL's rules)
+    blocked_speed: float = 0.1  # m/s under which the ego counts as standing
     # InRouteTest (CaRL's and Leaderboard 2.0's): deviated at route_deviation m from the route, or once the route
     # progress made route_deviation_safe m or more away exceeds route_deviation_fraction of the route (0 = rule off)
     route_deviation: float = 30.0
-    route_deviation_safe: float = 15.0
-    route_deviation_fraction: float = 0.3
-    off_road_fraction: float = 0.95
+    route_deviation_safe: float = 15.0  # m from the route within which progress never counts as deviating
+    route_deviation_fraction: float = 0.3  # share of the route driven off it that deviates (0 = off)
+    off_road_fraction: float = 0.95  # share of the ego box off the road that counts as off-road
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def validate(self, prefix: str = "env.options") -> "SimConfig":
