@@ -137,8 +137,8 @@ def test_mean_of_route_scores_is_not_the_product_of_means():
         return {"episode/route_completion": rc, "episode/infraction_score": score, "episode/length": 10.0,
                 "episode/termination/route_completed": 1.0}
 
-    records = [make_record(0, "a", ep(100.0, 1.0), 1000.0, "g", 0, 1.0),
-               make_record(1, "b", ep(50.0, 0.5), 1000.0, "g", 1, 1.0)]
+    records = [make_record(0, "a", ep(100.0, 1.0), 1000.0, "g", 0, 1.0, 0.1),
+               make_record(1, "b", ep(50.0, 0.5), 1000.0, "g", 1, 1.0, 0.1)]
     summary = summarize(records, 2)
     assert summary["driving_score"] == pytest.approx((100.0 + 25.0) / 2)  # 62.5
     assert summary["route_completion"] == pytest.approx(75.0)
