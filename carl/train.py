@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -202,6 +202,79 @@ class Checkpoints:
         ckpt_lib.atomic_save(payload, self.run_dir / name)
 
 
+def rollout_progress(bar: ProgressBar, video: VideoRecorder, update: int, num_updates: int, global_step: int,
+                     steps_this_run: int, t_begin: float, num_envs: int) -> Callable[[dict[str, torch.Tensor],
+                                                                                   torch.Tensor], None]:
+    """The collector's per-step callback: the video's frames and the progress bar's samples and rate."""
+    step_count = 0
+
+    def on_step(obs: dict[str, torch.Tensor], done: torch.Tensor) -> None:
+        nonlocal step_count
+        step_count += 1
+        video.on_step(obs, done)
+        elapsed = time.perf_counter() - t_begin
+        bar.update(global_step + step_count * num_envs, (steps_this_run + step_count * num_envs) / max(elapsed, 1e-9),
+                   f"update {update}/{num_updates}")
+
+    return on_step
+
+
+def update_stats(metrics: dict[str, float], trainer: PPOTrainer, sync: SyncMethod, timer: PhaseTimer,
+                 ctx: DistContext, lr: float, sps: float, update: int) -> dict[str, float]:
+    """One update's scalars: the loss terms, the finished episodes, the phase times and the sync's, as means over
+    ranks (episode means weighted by episode counts)."""
+    sync_stats = sync.pop_stats()
+    timer.totals["sync"] += sync_stats.get("sync/seconds", 0.0)  # part of `update`, shown separately
+    times = timer.pop()
+    stats: dict[str, float] = dict(metrics)
+    stats.update(trainer.episodes.summary())
+    trainer.episodes.clear()
+    stats.update({f"time/{k}": v for k, v in times.items()})
+    stats.update(sync_stats)
+    stats = ctx.reduce_metrics(stats)
+    stats["charts/learning_rate"] = lr
+    stats["charts/SPS"] = sps
+    stats["charts/update"] = update
+    return stats
+
+
+def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: dict[str, float], update: int,
+                      num_updates: int, global_step: int, best_ds: float, last: bool) -> float:
+    """Evaluate when due (best.pt on a new best) and write the checkpoints due; returns the best score so far."""
+    evaluating = evaluation.due(update, num_updates)
+    files = checkpoints.due(update, last=last)
+    if files or evaluating:  # every rank decides alike, so the state gather is collective
+        checkpoints.gather()
+    if evaluating:
+        t_eval = time.perf_counter()
+        result = evaluation.run(f"update_{update:06d}", update, global_step)
+        stats["time/eval"] = time.perf_counter() - t_eval
+        if result is not None and headline(result) > best_ds:
+            best_ds = headline(result)
+            checkpoints.save("best.pt", update, global_step, best_ds)
+    t_ck = time.perf_counter()
+    for name in files:
+        checkpoints.save(name, update, global_step, best_ds)
+    stats["time/checkpoint"] = time.perf_counter() - t_ck
+    return best_ds
+
+
+def write_logs(stats: dict[str, float], tb: TBLogger, video: VideoRecorder, bar: ProgressBar, cfg: TrainConfig,
+               run_dir: Path, update: int, num_updates: int, global_step: int, say: Callable[..., None]) -> None:
+    """The update's video (when one was recorded), TensorBoard scalars and, when due, the summary line (``say``:
+    print on rank 0)."""
+    frames = video.take()
+    if frames is not None:
+        where = tb.video("video/bev_env0", frames, global_step, 10, run_dir / "videos" / f"update_{video.update:06d}.gif")
+        stats["video/frames"] = float(len(frames))
+        say(f"video: {where}", flush=True)
+    tb.scalars(stats, global_step)
+    tb.flush()
+    if update % cfg.logging.summary_every == 0 or update == num_updates:
+        bar.clear()
+        say(summary_line(update, num_updates, global_step, stats["charts/SPS"], stats), flush=True)
+
+
 def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
     check_world(cfg, ctx.world_size)
     lock = RunLock()  # rank 0 holds the run folder until this function returns, however it ends
@@ -278,18 +351,9 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         if cfg.logging.video_every and update % cfg.logging.video_every == 0:
             video.arm(update)
         t0 = time.perf_counter()
-        step_count = 0
-
-        def on_step(obs: dict[str, torch.Tensor], done: torch.Tensor) -> None:
-            nonlocal step_count
-            step_count += 1
-            video.on_step(obs, done)
-            done_samples = global_step + step_count * cfg.env.num_envs
-            elapsed = time.perf_counter() - t_begin
-            bar.update(done_samples, (steps_this_run + step_count * cfg.env.num_envs) / max(elapsed, 1e-9),
-                       f"update {update}/{num_updates}")
-
-        if not trainer.collect(should_stop=should_stop, on_step=on_step):
+        progress = rollout_progress(bar, video, update, num_updates, global_step, steps_this_run, t_begin,
+                                    cfg.env.num_envs)
+        if not trainer.collect(should_stop=should_stop, on_step=progress):
             update -= 1  # this rollout is discarded; last.pt holds the last completed update
             status = f"stopped by {stop.signal_name}"
             break
@@ -297,50 +361,12 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
             metrics = trainer.update()
         global_step += batch
         steps_this_run += batch
-        iter_time = time.perf_counter() - t0
-        sync_stats = sync.pop_stats()
-        timer.totals["sync"] += sync_stats.get("sync/seconds", 0.0)  # part of `update`, shown separately
-        times = timer.pop()
-
-        stats: dict[str, float] = dict(metrics)
-        stats.update(trainer.episodes.summary())
-        trainer.episodes.clear()
-        stats.update({f"time/{k}": v for k, v in times.items()})
-        stats.update(sync_stats)
-        stats = ctx.reduce_metrics(stats)  # means over ranks (episode means weighted by episode counts)
-        stats["charts/learning_rate"] = lr
-        stats["charts/SPS"] = batch / iter_time
-        stats["charts/update"] = update
+        stats = update_stats(metrics, trainer, sync, timer, ctx, lr, batch / (time.perf_counter() - t0), update)
         if ctx.distributed and ctx.any(stop.requested):
             stop.requested, stop.signal_name = True, stop.signal_name or "a signal to another rank"
-
-        evaluating = evaluation.due(update, num_updates)
-        files = checkpoints.due(update, last=stop.requested or update == num_updates)
-        if files or evaluating:  # every rank decides alike, so the state gather is collective
-            checkpoints.gather()
-        if evaluating:
-            t_eval = time.perf_counter()
-            result = evaluation.run(f"update_{update:06d}", update, global_step)
-            stats["time/eval"] = time.perf_counter() - t_eval
-            if result is not None and headline(result) > best_ds:
-                best_ds = headline(result)
-                checkpoints.save("best.pt", update, global_step, best_ds)
-        t_ck = time.perf_counter()
-        for name in files:
-            checkpoints.save(name, update, global_step, best_ds)
-        stats["time/checkpoint"] = time.perf_counter() - t_ck
-
-        frames = video.take()
-        if frames is not None:
-            where = tb.video("video/bev_env0", frames, global_step, 10, run_dir / "videos" / f"update_{video.update:06d}.gif")
-            stats["video/frames"] = float(len(frames))
-            say(f"video: {where}", flush=True)
-
-        tb.scalars(stats, global_step)
-        tb.flush()
-        if update % cfg.logging.summary_every == 0 or update == num_updates:
-            bar.clear()
-            say(summary_line(update, num_updates, global_step, stats["charts/SPS"], stats), flush=True)
+        best_ds = evaluate_and_save(evaluation, checkpoints, stats, update, num_updates, global_step, best_ds,
+                                    last=stop.requested or update == num_updates)
+        write_logs(stats, tb, video, bar, cfg, run_dir, update, num_updates, global_step, say)
         if stop.requested:
             status = f"stopped by {stop.signal_name}"
             break
