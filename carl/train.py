@@ -306,12 +306,12 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     if cfg.parallel.compile:
         policy.compile()
     try:
-        sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method; DDP broadcasts rank 0's weights
+        sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method (its stats only); DDP broadcasts rank 0's weights
     except ValueError as exc:
         raise ConfigError(f"rank {ctx.rank}: {exc}") from None
     timer = PhaseTimer(cuda_sync=device.type == "cuda")
-    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=use_bf16(cfg, device.type == "cuda"), sync=sync,
-                         ctx=ctx if ctx.distributed else None)
+    trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=use_bf16(cfg, device.type == "cuda"),
+                         sync=sync if ctx.distributed else None, ctx=ctx if ctx.distributed else None)
     batch = cfg.batch_size * ctx.world_size  # samples per update, all ranks together
     num_updates = max(1, cfg.ppo.total_timesteps // batch)
     how = cfg.parallel.sync

@@ -45,9 +45,9 @@ class PPOTrainer:
     ) -> None:
         """With ``sync``/``ctx`` (torchrun), each rank takes ``minibatch_size / world_size`` of every global
         minibatch, advantages are normalised with global statistics and gradients go through ``sync``; without
-        them the no-op :class:`SyncMethod` stands in (one process)."""
+        them (one process) the policy is called directly and nothing is synchronised."""
         self.policy, self.env, self.cfg = policy, env, cfg
-        self.sync = sync if sync is not None else SyncMethod(policy, ctx)
+        self.sync = sync
         self.world_size = ctx.world_size if ctx is not None else 1
         reduce = ((lambda t: ctx.all_reduce_sum(t, "advantage statistics"))
                   if ctx is not None and ctx.distributed else None)
@@ -148,10 +148,11 @@ class PPOTrainer:
                 for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
                     obs = {key: v[micro] for key, v in batch["obs"].items()}
-                    local_only = self.sync.no_sync() if i < k - 1 else nullcontext()
+                    local_only = self.sync.no_sync() if self.sync is not None and i < k - 1 else nullcontext()
                     with local_only:  # gradients are synchronised on the last micro-batch's backward
                         with self.autocast():
-                            out = self.sync.act(obs, batch["actions"][micro])
+                            out = (self.sync.act(obs, batch["actions"][micro]) if self.sync is not None
+                                   else self.policy.act(obs, action=batch["actions"][micro]))
                         terms = ppo_loss(
                             out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
                             batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
@@ -166,9 +167,11 @@ class PPOTrainer:
                             sums[name] += weight * value.detach().float()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
-                self.sync.after_step()
+                if self.sync is not None:
+                    self.sync.after_step()
                 sums["grad_norm"] += grad_norm.detach().float()
                 steps += 1
-        self.sync.flush()
+        if self.sync is not None:
+            self.sync.flush()
         totals = torch.stack(list(sums.values())).tolist()
         return {f"losses/{name}": v / steps for name, v in zip(sums, totals)}
