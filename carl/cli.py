@@ -73,8 +73,9 @@ class Command:
         return sys.modules[type(self).__module__].__doc__ or ""
 
     def load(self, overrides: list[str]) -> Any:
-        """Overrides -> the checked config (a :class:`ConfigError` names every problem)."""
-        raise NotImplementedError
+        """Overrides -> the checked config (a :class:`ConfigError` names every problem): ``conf/<name>.yaml`` over
+        the command's schemas, as plain values (:meth:`build`)."""
+        return self.build(config.compose(overrides, self.name, self.schemas, self.groups), overrides)
 
     def build(self, cfg: Any, overrides: list[str]) -> Any:
         """Hydra's composed config (the job part) -> the config :meth:`run` takes."""
@@ -135,6 +136,23 @@ class Command:
 # ----------------------------------------------------------------------------------------------------------------
 # Before Hydra: the command line, every job's config and run folder checked
 # ----------------------------------------------------------------------------------------------------------------
+COMMANDS = {"train": "carl.train:TrainCommand", "eval": "carl.eval.cli:EvalCommand",
+            "export": "carl.export:ExportCommand"}
+
+
+def load_config(name: str, overrides: list[str]) -> Any:
+    """The one loader of every command's config: ``carl-<name>``'s shortcuts expanded, ``conf/<name>.yaml`` and
+    ``overrides`` composed over its schema and checked (every problem in one :class:`ConfigError`): a
+    :class:`~carl.config.TrainConfig` for ``train`` (``resume=`` reloads the run's), plain values for the others."""
+    import importlib
+
+    if name not in COMMANDS:
+        raise ConfigError(f"no command {name!r}; the commands are {', '.join(COMMANDS)}")
+    module, cls = COMMANDS[name].split(":")
+    command: Command = getattr(importlib.import_module(module), cls)()
+    return command.load(command.rewrite(list(overrides)))
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Hydra's own argument parser over ``argv``; a bare ``--cfg``/``-c`` means ``--cfg job``. Returns the parsed
     flags and the argv to hand to Hydra."""

@@ -25,7 +25,7 @@ from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor,
                          check_bundle, make_spec, policy_from_checkpoint, quiet_export, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
-from carl.config import ConfigError, compose
+from carl.config import ConfigError
 from carl.policy import CarlPolicy
 from envs.api import OBS_BEV, OBS_MEASUREMENTS
 
@@ -118,15 +118,6 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
     return spec
 
 
-def load(overrides: list[str]) -> dict[str, Any]:
-    """``conf/export.yaml`` + ``overrides`` over :class:`ExportConfig`, as plain values."""
-    from omegaconf import OmegaConf
-
-    data = OmegaConf.to_container(compose(overrides, "export", schemas={"export_schema": ExportConfig}, groups=()))
-    assert isinstance(data, dict)
-    return data
-
-
 def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
     """Export ``cfg['checkpoint']``; return the exit code (0, or 1 if the parity check fails)."""
     if cfg.get("checkpoint") in (None, "???"):
@@ -159,9 +150,6 @@ class ExportCommand(Command):
     schemas = {"export_schema": ExportConfig}  # noqa: RUF012
     error = ("carl-export error", 2, "")
     errors = {ConfigError: error, CheckpointError: error, BundleError: error, ValueError: error}  # noqa: RUF012
-
-    def load(self, overrides: list[str]) -> dict[str, Any]:
-        return load(overrides)
 
     def run(self, cfg: dict[str, Any]) -> int:
         return run(cfg)

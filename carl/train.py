@@ -54,7 +54,7 @@ from envs.api import BatchedEnv
 # ------------------------------------------------------------------------------------------------------------------
 # Configuration
 # ------------------------------------------------------------------------------------------------------------------
-def load_config(overrides: list[str]) -> TrainConfig:
+def train_config(overrides: list[str]) -> TrainConfig:
     """Compose (or, with ``resume=<dir>``, reload ``<dir>/config.yaml``), apply overrides, validate (for torchrun's
     ``WORLD_SIZE`` ranks)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -413,11 +413,11 @@ class TrainCommand(Command):
     locks_folder = True
 
     def load(self, overrides: list[str]) -> TrainConfig:
-        return load_config(overrides)
+        return train_config(overrides)
 
     def build(self, cfg: Any, overrides: list[str]) -> TrainConfig:
         if any(o.startswith("resume=") for o in overrides):  # the run's saved config, not conf/train.yaml
-            return load_config(overrides)
+            return train_config(overrides)
         return config.to_train_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
     def run(self, cfg: TrainConfig) -> int:

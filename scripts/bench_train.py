@@ -25,7 +25,8 @@ from carl.config import ConfigError, TrainConfig, check_device, use_bf16  # noqa
 from carl.monitor import PhaseTimer  # noqa: E402
 from carl.policy import CarlPolicy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
-from carl.train import build_env, load_config  # noqa: E402
+from carl.cli import load_config  # noqa: E402
+from carl.train import build_env  # noqa: E402
 
 PRESETS: dict[str, list[str]] = {
     # the laptop preset as `make train` runs it, but only a few updates
@@ -45,7 +46,7 @@ GPU_ONLY = ("carl_sim",)
 
 
 def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
-    cfg: TrainConfig = load_config([*overrides, f"parallel.device={device}"])
+    cfg: TrainConfig = load_config("train", [*overrides, f"parallel.device={device}"])
     dev = torch.device(device)
     if cfg.parallel.torch_threads:
         torch.set_num_threads(cfg.parallel.torch_threads)

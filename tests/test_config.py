@@ -7,7 +7,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from carl.config import ConfigError, TrainConfig, backend_of, compose, from_dict, schema
-from carl.train import load_config
+from carl import cli
+
+
+def load_config(overrides: list[str]) -> TrainConfig:
+    return cli.load_config("train", overrides)
 
 
 def test_presets_compose_and_validate() -> None:
@@ -260,11 +264,9 @@ def test_unknown_group_choices_list_the_presets(override: str, listed: str) -> N
 
 
 def test_unknown_benchmark_lists_the_benchmarks() -> None:
-    from carl.eval.cli import load as load_eval
-
     with pytest.raises(ConfigError, match=r"benchmark=longest7 is unknown; did you mean benchmark=longest6\? choose "
                                           r"one of longest6, longest6_carla, towns, val14"):
-        load_eval(["benchmark=longest7"])
+        cli.load_config("eval", ["benchmark=longest7"])
 
 
 def test_resume_cannot_change_the_env_or_model(tmp_path: Path) -> None:

@@ -221,7 +221,7 @@ def test_first_use_fetches_maps_routes_and_splits(isolated: Path, mirror: Mirror
     """With ../shared/data hidden, the readers fetch what they open: a town map, the longest6 route file of the
     benchmark config, the Val14 split yaml; only those files."""
     from carl.eval.benchmarks import resolve_benchmark
-    from carl.eval.cli import load
+    from carl.cli import load_config
     from envs.maps import opendrive
     from envs.nuplan.reader import load_split_yaml
 
@@ -241,7 +241,7 @@ def test_first_use_fetches_maps_routes_and_splits(isolated: Path, mirror: Mirror
     with pytest.raises(opendrive.MapError, match="unknown town 'Town99'.*Town01"):
         opendrive.load_town("Town99")
 
-    bench = resolve_benchmark(load(["benchmark=longest6"])["benchmark"])
+    bench = resolve_benchmark(load_config("eval", ["benchmark=longest6"])["benchmark"])
     assert bench.num_routes == 36
     assert bench.groups[0].options["route_file"] == str(isolated / "carla/routes/longest6_v2.xml")
     assert len(load_split_yaml("data:val14/val14_split.yaml")["scenario_tokens"]) == 1118

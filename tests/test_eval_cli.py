@@ -7,12 +7,17 @@ from pathlib import Path
 import pytest
 
 from carl.eval import EvalError
-from carl.eval.cli import load, main, run
+from carl.cli import load_config
+from carl.eval.cli import main, run
 
 # 2 short procedural routes, driven for at most 12 s (routes still running then are reported as they stand)
 SHORT = ["benchmark=towns", "benchmark.num_routes=2", "+benchmark.options.route_length=[15,25]",
          "benchmark.max_steps=120", "+benchmark.options.num_vehicles=2", "+benchmark.options.num_pedestrians=1",
          "worst_videos=0", "torch_threads=1"]
+
+
+def load(overrides: list[str]) -> dict:
+    return load_config("eval", overrides)
 
 
 def evaluate(out: Path, *extra: str) -> tuple[dict, list[str]]:

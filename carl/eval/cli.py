@@ -40,7 +40,7 @@ import torch
 from carl.bundle import BundleError
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
-from carl.config import ConfigError, compose
+from carl.config import ConfigError
 from carl.eval import EvalError
 from carl.eval.benchmarks import Benchmark, resolve_benchmark
 from carl.eval.loop import evaluate_policy
@@ -67,16 +67,6 @@ class EvalConfig:
     worst_videos: int = 3  # BEV GIFs of the N lowest-scoring routes (0 = none)
     video_max_frames: int = 600  # at most this many 0.1 s frames per video
     benchmark: dict[str, Any] = field(default_factory=dict)  # conf/benchmark/<name>.yaml (route groups, env options)
-
-
-def load(overrides: list[str]) -> dict[str, Any]:
-    """``conf/eval.yaml`` + ``overrides`` over :class:`EvalConfig`, as plain values."""
-    from omegaconf import OmegaConf
-
-    cfg = compose(overrides, "eval", schemas={"eval_schema": EvalConfig}, groups=("benchmark",))
-    data = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(data, dict)
-    return data
 
 
 def policy_name(arg: str) -> str:
@@ -166,9 +156,6 @@ class EvalCommand(Command):
                 MapError: error, KeyboardInterrupt: ("\ninterrupted", 130,
                                                      "finished routes are in results.json; re-run the same command "
                                                      "to resume")}
-
-    def load(self, overrides: list[str]) -> dict[str, Any]:
-        return load(overrides)
 
     def rewrite(self, overrides: list[str]) -> list[str]:
         return expand_shortcuts(overrides)
