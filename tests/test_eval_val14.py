@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from carl.eval import EvalError
-from carl.eval.cli import expand_shortcuts, load, run
+from carl.cli import load_config
+from carl.eval.cli import run
 from test_export import tiny_checkpoint, tiny_nuplan_checkpoint  # tiny trainer checkpoints
 
 pytestmark = pytest.mark.nuplan
@@ -26,9 +27,9 @@ def dataset(tmp_path_factory):
 
 def cfg_for(dataset, tmp_path, *extra):
     root, split, _ = dataset
-    return load(expand_shortcuts([
+    return load_config("eval", [  # carl-eval's shortcuts (env=, data_root=, cache_dir=) expanded by the loader
         "benchmark=val14", "env=nuplan", f"data_root={root}", f"cache_dir={tmp_path / 'cache'}",
-        f"benchmark.options.split_yaml={split}", "policy=expert", "worst_videos=0", *extra]))
+        f"benchmark.options.split_yaml={split}", "policy=expert", "worst_videos=0", *extra])
 
 
 def test_val14_writes_scores_and_resumes(dataset, tmp_path):
