@@ -801,14 +801,10 @@ def plan_route(graph: LaneGraph, keypoints: np.ndarray, name: str = "route",
 
 
 # ====================================================================== leaderboard route files
-def parse_leaderboard_xml(path: str | Path) -> list[tuple[str, str, np.ndarray]]:
-    """Parse a leaderboard route file: [(route id, town, keypoints [K, 2] float64 in OUR frame)].
-
-    Reads Leaderboard 2.0 (``<route id town><waypoints><position x y z/>``) and 1.0 (``<waypoint x y z .../>``
-    directly under ``<route>``). Raises :class:`RouteError` naming the file (and route id) for a missing file,
-    malformed XML, no ``<route>``, a route without waypoints or without id/town, or non-numeric coordinates.
-    """
-    path = Path(data_path(path))  # "data:<dataset>/<file>": a registry file, fetched on first use (envs/data.py)
+def read_route_elements(path: str | Path) -> tuple[Path, list[ET.Element]]:
+    """The file (``data:<dataset>/<file>`` names are fetched on first use, envs/data.py) and its ``<route>``
+    elements; :class:`RouteError` naming the file when it is missing, not XML or has no route."""
+    path = Path(data_path(path))
     if not path.is_file():
         raise RouteError(f"route file {path} does not exist")
     try:
@@ -818,6 +814,17 @@ def parse_leaderboard_xml(path: str | Path) -> list[tuple[str, str, np.ndarray]]
     routes = [root] if root.tag == "route" else root.findall("route")
     if not routes:
         raise RouteError(f"route file {path} has no <route> elements (root element <{root.tag}>)")
+    return path, routes
+
+
+def parse_leaderboard_xml(path: str | Path) -> list[tuple[str, str, np.ndarray]]:
+    """Parse a leaderboard route file: [(route id, town, keypoints [K, 2] float64 in OUR frame)].
+
+    Reads Leaderboard 2.0 (``<route id town><waypoints><position x y z/>``) and 1.0 (``<waypoint x y z .../>``
+    directly under ``<route>``). Raises :class:`RouteError` naming the file (and route id) for a missing file,
+    malformed XML, no ``<route>``, a route without waypoints or without id/town, or non-numeric coordinates.
+    """
+    path, routes = read_route_elements(path)
     out = []
     for i, r in enumerate(routes):
         rid, town = r.get("id"), r.get("town")

@@ -1,0 +1,108 @@
+"""The scenarios a Leaderboard 2.0 route file attaches to its routes, read and filtered as the Leaderboard does.
+
+A route file's ``<route>`` may hold ``<scenarios><scenario name type><trigger_point x y z yaw/> ...</scenario>``;
+any other child of a ``<scenario>`` is a parameter (``<distance value="12"/>``, ``<source_dist_interval from to/>``;
+LB ``route_parser.parse_routes_file``). Positions and yaws come in CARLA's left-handed frame and are converted to
+ours (``../shared/docs/scenarios.md`` §0).
+
+The Leaderboard keeps a scenario only if some point of its route, interpolated every 1 m, lies closer than 2.0 m to
+the trigger (2-D) with a yaw difference under 10° (``RouteParser.is_scenario_at_route``); the others are dropped
+with a warning. :func:`scenarios_on_route` applies that filter on our dense routes (1 m spacing) and returns, for
+each kept scenario, the route point it matched. A 2-D simulator has no heights, so the Leaderboard's height check
+(trigger z - route z < 2 m) is not applied (docs/fidelity.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from envs.maps.opendrive import carla_to_world, carla_yaw_to_world
+from envs.maps.routes import RouteError, read_route_elements
+
+log = logging.getLogger(__name__)
+
+ROUTE_MATCH_DIST_M = 2.0  # LB route_parser DIST_THRESHOLD
+ROUTE_MATCH_ANGLE_DEG = 10.0  # LB route_parser ANGLE_THRESHOLD
+
+
+@dataclass(frozen=True)
+class ScenarioDef:
+    """One ``<scenario>`` of a route: its name and type, its trigger (our frame: x, y in m, yaw in rad) and its
+    parameters (tag -> attributes, e.g. ``{"distance": {"value": "12"}}``)."""
+
+    name: str
+    type: str
+    xy: tuple[float, float]
+    yaw: float
+    params: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def value(self, tag: str, default: float) -> float:
+        """A numeric ``<tag value=.../>`` parameter, or ``default`` (the scenario's own default) when absent."""
+        attrs = self.params.get(tag)
+        if attrs is None or "value" not in attrs:
+            return default
+        try:
+            return float(attrs["value"])
+        except ValueError:
+            raise RouteError(f"scenario {self.name} ({self.type}): parameter <{tag} value={attrs['value']!r}> "
+                             "is not a number") from None
+
+
+def parse_route_scenarios(path: str | Path) -> dict[str, list[ScenarioDef]]:
+    """Route id -> the scenarios of that route, in file order (routes without scenarios map to []). Raises
+    :class:`RouteError` naming the file, route and scenario for a scenario without a type, without exactly one
+    trigger point, or with non-numeric trigger coordinates."""
+    path, routes = read_route_elements(path)
+    out: dict[str, list[ScenarioDef]] = {}
+    for r in routes:
+        rid = r.get("id", "?")
+        out[rid] = [_scenario(path, rid, k, s) for k, s in enumerate(r.findall("scenarios/scenario"))]
+    return out
+
+
+def _scenario(path: Path, rid: str, k: int, s: ET.Element) -> ScenarioDef:
+    name, kind = s.get("name") or f"{rid}_{k}", s.get("type")
+    where = f"route file {path}: route {rid}, scenario {name}"
+    if not kind:
+        raise RouteError(f"{where} has no 'type' attribute")
+    triggers = s.findall("trigger_point")
+    if len(triggers) != 1:
+        raise RouteError(f"{where} ({kind}) has {len(triggers)} <trigger_point> elements; the Leaderboard needs one")
+    t = triggers[0].attrib
+    try:
+        x, y = carla_to_world(float(t["x"]), float(t["y"]))
+        yaw = float(carla_yaw_to_world(float(t.get("yaw", 0.0))))
+    except (KeyError, ValueError) as e:
+        raise RouteError(f"{where} ({kind}): trigger point without numeric x/y/yaw ({e})") from e
+    if not (math.isfinite(x) and math.isfinite(y) and math.isfinite(yaw)):
+        raise RouteError(f"{where} ({kind}): non-finite trigger point")
+    params = {c.tag: dict(c.attrib) for c in s if c.tag != "trigger_point"}
+    return ScenarioDef(name, kind, (float(x), float(y)), yaw, params)
+
+
+def scenarios_on_route(defs: list[ScenarioDef], points: np.ndarray, route_name: str = "route"
+                       ) -> list[tuple[ScenarioDef, int]]:
+    """The scenarios the Leaderboard keeps on a route of dense ``points`` [N, 2] (1 m apart, our frame), each with
+    the index of the route point that matched its trigger (the first one closer than 2.0 m with a heading within 10°
+    of the trigger's); the others are dropped with a warning naming them."""
+    pts = np.asarray(points, np.float64)
+    d = np.diff(pts, axis=0)
+    heading = np.arctan2(d[:, 1], d[:, 0])
+    heading = np.concatenate([heading, heading[-1:]])  # the last point keeps the last segment's heading
+    kept = []
+    for sd in defs:
+        dist = np.linalg.norm(pts - np.asarray(sd.xy), axis=1)
+        dyaw = np.abs((heading - sd.yaw + np.pi) % (2 * np.pi) - np.pi)
+        ok = np.nonzero((dist < ROUTE_MATCH_DIST_M) & (dyaw < math.radians(ROUTE_MATCH_ANGLE_DEG)))[0]
+        if len(ok):
+            kept.append((sd, int(ok[0])))
+        else:
+            log.warning("%s: scenario %s (%s) is not on the route (no route point within %.1f m and %.0f deg of its "
+                        "trigger); dropped, as the Leaderboard does", route_name, sd.name, sd.type,
+                        ROUTE_MATCH_DIST_M, ROUTE_MATCH_ANGLE_DEG)
+    return kept
