@@ -4,7 +4,6 @@ and one way to reach a custom factory (``env.name=package.module:function``). Th
 :func:`carl.policy.make_policy`."""
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -22,9 +21,7 @@ def make_env(name: str, num_envs: int, device: torch.device | str, seed: int, *o
     merged = envs.merge_options(name, *(options or ({},)))
     try:
         if ":" in name:
-            module, fn = name.split(":", 1)
-            factory = getattr(importlib.import_module(module), fn)
-            return factory(num_envs=num_envs, device=device, seed=seed, **merged)
+            return envs.load_ref(name)(num_envs=num_envs, device=device, seed=seed, **merged)
         return envs.make_env(name, num_envs=num_envs, device=device, seed=seed, **merged)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{where}: env.name={name!r} cannot be created: {exc}") from None

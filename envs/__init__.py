@@ -9,6 +9,7 @@ Imports are lazy ("module:attribute" strings), so importing ``envs`` costs nothi
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -50,14 +51,15 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
-def _load(ref: str) -> Any:
+def load_ref(ref: str) -> Any:
+    """The object a ``"package.module:attribute"`` reference names (a backend's part, or a custom env factory)."""
     module, attr = ref.split(":", 1)
     return getattr(importlib.import_module(module), attr)
 
 
 def options_schema(name: str) -> type:
     """The dataclass of backend ``name``'s ``options``: the schema of Hydra's typed ``env.options``."""
-    return _load(backend(name).options)
+    return load_ref(backend(name).options)
 
 
 def final_obs_option(name: str) -> str:
@@ -73,7 +75,7 @@ def check_options(name: str, options: dict[str, Any]) -> None:
     from envs.config import ConfigError
 
     try:
-        _load(backend(name).check)(options)
+        load_ref(backend(name).check)(options)
     except ConfigError as exc:
         raise ConfigError([f"env={name}: {p}" for p in exc.problems]) from None
 
@@ -83,10 +85,11 @@ def merge_options(name: str, base: dict[str, Any], *layers: dict[str, Any]) -> d
     an evaluation's route split) go where backend ``name`` keeps them, merged into what is there. A custom backend
     (``package.module:function``) takes the layers as they are."""
     key = BACKENDS[name].sim_key if name in BACKENDS else ""
+    own = {f.name for f in dataclasses.fields(options_schema(name))} if key else set()
     out = dict(base)
     for layer in layers:
         for k, v in layer.items():
-            if key and k != key and k not in _own_keys(name):  # a simulator option of a nesting backend
+            if key and k not in own:  # a simulator option of a nesting backend
                 out[key] = {**(out.get(key) or {}), k: v}
             elif isinstance(v, dict) and isinstance(out.get(k), dict):
                 out[k] = {**out[k], **v}
@@ -95,18 +98,12 @@ def merge_options(name: str, base: dict[str, Any], *layers: dict[str, Any]) -> d
     return out
 
 
-def _own_keys(name: str) -> set[str]:
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(options_schema(name))}
-
-
 def make_env(name: str, num_envs: int, device: "str | torch.device" = "cpu", seed: int = 0, **options: Any
              ) -> "BatchedEnv":
     """Build ``num_envs`` environments of backend ``name`` on ``device``."""
-    return _load(backend(name).factory)(num_envs, device, seed, **options)
+    return load_ref(backend(name).factory)(num_envs, device, seed, **options)
 
 
 def make_expert(name: str, env: "BatchedEnv") -> Callable:
     """Backend ``name``'s rule-based expert for ``env``: ``policy(obs) -> actions`` (it reads privileged state)."""
-    return _load(backend(name).expert)(env)
+    return load_ref(backend(name).expert)(env)

@@ -116,8 +116,7 @@ def field_problem(key: str, value: Any, meta: dict[str, Any], default: Any) -> s
     hint = f" (default {_word(default)})" if default is not dataclasses.MISSING else ""
     choices = meta.get("choices")
     if choices is not None:
-        if value in choices and (isinstance(value, bool) == any(isinstance(c, bool) and c == value for c in choices)
-                                 or not isinstance(value, bool)):
+        if any(type(c) is type(value) and c == value for c in choices):  # 1 is not True, "1" is not 1
             return None
         words = [_word(c) for c in choices]
         listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
@@ -147,8 +146,7 @@ def check_fields(obj: Any, prefix: str, checks: Checks) -> None:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_fields(value, key, checks)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-        problem = field_problem(key, value, dict(f.metadata), default)
+        problem = field_problem(key, value, dict(f.metadata), f.default)
         if problem:
             checks.need(False, problem)
 

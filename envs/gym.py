@@ -15,7 +15,7 @@ import torch
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from envs.api import BatchedEnv
+from envs.api import FINAL_OBS, BatchedEnv, final_obs
 from envs.config import from_dict
 from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
@@ -39,7 +39,7 @@ def _numpy(obs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def _info(info: dict[str, torch.Tensor], row: int | slice) -> dict[str, Any]:
-    return {k: v[row].cpu().numpy() for k, v in info.items() if not k.startswith("final_obs/")}
+    return {k: v[row].cpu().numpy() for k, v in info.items() if not k.startswith(FINAL_OBS)}
 
 
 class SimGymEnv(gymnasium.Env):
@@ -66,7 +66,7 @@ class SimGymEnv(gymnasium.Env):
     def step(self, action):
         r = self.sim.step(torch.as_tensor(np.asarray(action, np.float32)).reshape(1, 2))
         done = bool(r.terminated[0] | r.truncated[0])
-        obs = {k[len("final_obs/"):]: v for k, v in r.info.items() if k.startswith("final_obs/")} if done else r.obs
+        obs = final_obs(r.info) if done else r.obs
         obs = {k: v[0] for k, v in _numpy(obs).items()}
         self._last_bev = obs["bev"][None]
         info = _info(r.info, 0) if done else {}
@@ -100,8 +100,7 @@ class SimVectorEnv(VectorEnv):
     def step(self, actions):
         r = self.sim.step(torch.as_tensor(np.asarray(actions, np.float32)))
         info = _info(r.info, slice(None))
-        info["final_obs"] = {k[len("final_obs/"):]: v.cpu().numpy() for k, v in r.info.items()
-                             if k.startswith("final_obs/")}
+        info["final_obs"] = _numpy(final_obs(r.info))
         return (_numpy(r.obs), r.reward.cpu().numpy(), r.terminated.cpu().numpy(), r.truncated.cpu().numpy(), info)
 
 

@@ -42,7 +42,7 @@ def cases(tmp: str) -> dict:
     }
 
 
-def fingerprint(name: str, options: dict, steps: int, envs: int) -> dict:
+def fingerprint(case: str, name: str, options: dict, steps: int, envs: int) -> dict:
     env = make_env(name, envs, "cpu", 3, **options)
     h = hashlib.sha256()
     g = torch.Generator().manual_seed(11)
@@ -65,7 +65,7 @@ def fingerprint(name: str, options: dict, steps: int, envs: int) -> dict:
             add(r.info[k])
         episodes += int(r.info["done"].sum())
         total += float(r.reward.sum())
-    return {"case": "", "steps": steps, "envs": envs, "episodes": episodes, "reward_sum": round(total, 4),
+    return {"case": case, "steps": steps, "envs": envs, "episodes": episodes, "reward_sum": round(total, 4),
             "sha256": h.hexdigest()[:16]}
 
 
@@ -80,8 +80,7 @@ def main() -> None:
         table = cases(tmp)
         for case in a.cases or table:
             name, options = table[case]
-            out = fingerprint(name, options, a.steps, a.envs)
-            out["case"] = case
+            out = fingerprint(case, name, options, a.steps, a.envs)
             print(json.dumps(out), flush=True)
 
 

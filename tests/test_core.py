@@ -94,7 +94,7 @@ def test_every_backend_registers_its_parts_once() -> None:
     for name, b in envs.BACKENDS.items():
         assert dataclasses.is_dataclass(envs.options_schema(name))
         for ref in (b.factory, b.check, b.expert):
-            assert callable(envs._load(ref)), (name, ref)
+            assert callable(envs.load_ref(ref)), (name, ref)
     assert envs.final_obs_option("sim") == "keep_final_obs" and envs.final_obs_option("nuplan") == "sim.keep_final_obs"
 
 

@@ -18,6 +18,7 @@ from carl.monitor import EpisodeStats, PhaseTimer
 from carl.policy import CarlPolicy, beta_kl
 from carl.ppo.loss import normalize_advantages, ppo_loss
 from carl.ppo.storage import RolloutStorage
+from envs import api
 from envs.api import BatchedEnv
 
 from carl.parallel.base import SyncMethod
@@ -94,13 +95,14 @@ class PPOTrainer:
             if cfg.bootstrap_truncation:
                 only_trunc = res.truncated & ~res.terminated
                 if bool(only_trunc.any()):
-                    missing = [k for k in self.next_obs if f"final_obs/{k}" not in res.info]
+                    final_obs = api.final_obs(res.info)
+                    missing = [k for k in self.next_obs if k not in final_obs]
                     if missing:
                         raise ValueError(f"ppo.bootstrap_truncation=true needs the final observation of truncated "
                                          f"episodes, and the env gives no info['final_obs/{missing[0]}']; let it keep "
                                          "them (the built-in backends: env.options.keep_final_obs=true) or set "
                                          "ppo.bootstrap_truncation=false")
-                    final_obs = {k: res.info[f"final_obs/{k}"] for k in self.next_obs}
+                    final_obs = {k: final_obs[k] for k in self.next_obs}
                     with self.timer.phase("inference"), self.autocast():
                         bootstrap = self.policy.get_value(final_obs) * only_trunc.float()
             st.insert_outcome(t, res.reward, done, bootstrap)

@@ -36,7 +36,7 @@ from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario, build_cache, 
 from envs.nuplan.carl_reward import CarlNuplanReward
 from envs.nuplan.config import NuplanOptions
 from envs.nuplan.dynamics import EGO_HALF, WHEELBASE, NuplanBicycle
-from envs.nuplan.logs import LIGHT_PHASE, NuplanState, ScenarioLogs, agent_slots
+from envs.nuplan.logs import LIGHT_PHASE, NuplanState, ScenarioLogs, agent_slots, horizon, runs_to_end
 from envs.nuplan.reader import FRAME_S
 from envs.nuplan.observation import NuplanObserver
 from envs.nuplan.scoring import NuplanMetrics
@@ -88,7 +88,7 @@ def build_nuplan_env(scenarios: list[CachedScenario], opts: NuplanOptions, num_e
     graph, lane_off, junc_off = merge_graphs(graphs, shifts, f"nuplan_{len(scenarios)}")
     routes = [Route(sc.token, sc.route.points + shifts[k].astype(np.float32), sc.route.lanes + lane_off[k])
               for k, sc in enumerate(scenarios)]
-    if min(sc.num_frames for sc in scenarios) < 3:
+    if min(horizon(sc.num_frames, runs_to_end(opts)) for sc in scenarios) < 1:
         short = [sc.token for sc in scenarios if sc.num_frames < 3]
         raise ConfigError(f"env=nuplan: scenarios {short[:8]} have fewer than 3 frames; rebuild the cache or "
                           "filter them out (env.options.tokens)")

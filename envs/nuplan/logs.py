@@ -56,6 +56,17 @@ def logged_centres(sc: CachedScenario) -> np.ndarray:
     return sc.ego[:, :2].astype(np.float64) + REAR_AXLE_TO_CENTRE * np.stack([np.cos(yaw), np.sin(yaw)], -1)
 
 
+def runs_to_end(opts: NuplanOptions) -> bool:
+    """Whether episodes run to each scenario's last frame (the devkit's closed loop; default for evaluation)."""
+    return opts.route_split == "eval" if opts.run_to_end is None else opts.run_to_end
+
+
+def horizon(num_frames: int, run_to_end: bool) -> int:
+    """Steps of a scenario of ``num_frames`` frames: the devkit simulates to the last frame; CaRL's training stops 2
+    frames before."""
+    return num_frames - (1 if run_to_end else 2)
+
+
 def agent_slots(scenarios: list[CachedScenario]) -> tuple[int, int, int]:
     """Vehicle, pedestrian and static-object slots for the most of each in one scenario (at least one each)."""
     kinds = [np.isin(sc.agent_types, VEHICLE_TYPES) for sc in scenarios]
@@ -73,9 +84,8 @@ class ScenarioLogs:
                  junction_offsets: np.ndarray, num_junctions: int, device: torch.device):
         self.scenarios, self.opts, dev = scenarios, opts, device
         self.num_frames = max(sc.num_frames for sc in scenarios)
-        self.run_to_end = opts.route_split == "eval" if opts.run_to_end is None else opts.run_to_end
-        # each scenario's own horizon: the devkit simulates to the last frame; CaRL's training stops 2 frames before
-        self.horizons = torch.tensor([sc.num_frames - (1 if self.run_to_end else 2) for sc in scenarios], device=dev)
+        self.run_to_end = runs_to_end(opts)
+        self.horizons = torch.tensor([horizon(sc.num_frames, self.run_to_end) for sc in scenarios], device=dev)
         self.action_names = tuple(opts.action_order)
         self.rear_to_centre = REAR_AXLE_TO_CENTRE
         self.shifts = torch.as_tensor(shifts, dtype=torch.float64, device=dev)  # scenario frame -> world frame

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from envs.api import BatchedEnv, StepResult, TensorSpec
+from envs.api import FINAL_OBS, BatchedEnv, StepResult, TensorSpec
 from envs.config import ConfigError, from_dict
 from envs.reward import RewardState
 from envs.sim import record
@@ -134,7 +134,7 @@ class SimEnv(BatchedEnv):
         done = judged.terminated | judged.truncated
         info = self.episode_info(s, done, judged.ending, judged.truncated, judged.aborted)
         if self.cfg.keep_final_obs:
-            info.update({f"final_obs/{k}": v for k, v in self.observe(s, judged.lane["speed_limit"]).items()})
+            info.update({FINAL_OBS + k: v for k, v in self.observe(s, judged.lane["speed_limit"]).items()})
         self.restart_finished(s, done)
         return StepResult(self.observe(s), reward, judged.terminated, judged.truncated, info)
 

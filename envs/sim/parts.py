@@ -160,10 +160,13 @@ class Observer(Part, abc.ABC):
         observer looks it up if it needs it."""
 
     def blank_bev(self) -> Tensor:
-        """The BEV of an env built with ``bev=False``: zeros as a broadcast view (no memory, nothing drawn)."""
-        shape = self.spec()[OBS_BEV].shape
-        return torch.zeros((1, *shape), dtype=torch.uint8, device=self.setup.device).expand(self.setup.num_envs,
-                                                                                            *shape)
+        """The BEV of an env built with ``bev=False``: zeros as a read-only broadcast view (no memory, nothing
+        drawn), made once."""
+        if getattr(self, "_blank", None) is None:
+            shape = self.spec()[OBS_BEV].shape
+            self._blank = torch.zeros((1, *shape), dtype=torch.uint8, device=self.setup.device).expand(
+                self.setup.num_envs, *shape)
+        return self._blank
 
 
 # ---------------------------------------------------------------------------------------------- the simulator's own

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from envs.api import episode_stats
 from envs.sim.observation import bev_config
 from envs.sim.bev_draw import world_to_bev
 from envs.sim.render import bev_to_rgb, overlay_text
@@ -54,7 +55,7 @@ def record_episode(env: SimEnv, policy: Callable[[dict[str, Tensor]], Tensor], r
         total += float(r.reward[row])
         obs = r.obs
         if bool(r.info["done"][row]):
-            stats = {k[8:]: float(v[row]) for k, v in r.info.items() if k.startswith("episode/")}
+            stats = {k: float(v[row]) for k, v in episode_stats(r.info).items()}
             reason = next(k[12:] for k, v in stats.items() if k.startswith("termination/") and v)
             frames.append(overlay_text(img, lines + [f"END: {reason}", f"DS {stats['driving_score']:.1f}"],
                                        colour=(255, 80, 80) if reason != "route_completed" else (120, 255, 120)))

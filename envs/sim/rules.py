@@ -2,7 +2,7 @@
 
 Two rule sets (``SimConfig.rules``, :mod:`envs.sim.criteria`):
 
-* :class:`CarlRules` -- CaRL's training rules (``carl-reference.md`` §1.4): every hard infraction ends the episode
+* :class:`Rules` -- CaRL's training rules (``carl-reference.md`` §1.4): every hard infraction ends the episode
   (``ending_events`` may narrow that), the blocked timer and ``max_time`` are the config's;
 * :class:`LeaderboardRules` -- Leaderboard 2.0's (``benchmarks.md`` Part A): collisions, red lights, stop signs and
   off-road excursions are recorded and the route goes on; route deviation, being blocked (180 s) and the route
