@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from carl.eval import EvalError
 from carl.cli import load_config
@@ -137,3 +138,16 @@ def test_hydra_run_dir_is_the_results_folder(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main([f"hydra.run.dir={tmp_path / 'h2'}", f"out_dir={tmp_path / 'o'}", "policy=random", *SHORT])
     assert exc.value.code == 0 and (tmp_path / "o" / "summary.json").is_file() and not (tmp_path / "h2").exists()
+
+
+def test_final_benchmark_of_a_run_loads_its_eval_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """carl-train's logging.final_benchmark evaluates <run>/best.pt with carl-eval's own config loader (the run
+    itself is not needed to check that the config it asks for loads)."""
+    import carl.eval.cli as carl_eval
+    from carl.eval.during_training import run_benchmark
+
+    monkeypatch.setattr(carl_eval, "run", lambda cfg: cfg)
+    train = load_config("train", ["logging.final_benchmark=towns"])
+    got = run_benchmark(train, tmp_path, torch.device("cpu"))
+    assert got["benchmark"]["name"] == "towns" and got["policy"] == str(tmp_path / "best.pt")
+    assert got["out_dir"] == str(tmp_path / "eval" / "towns") and got["overwrite"] is True and got["device"] == "cpu"

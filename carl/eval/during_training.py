@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 
 def run_benchmark(cfg: TrainConfig, run_dir: Path, device: torch.device) -> dict[str, Any]:
     """``carl-eval policy=<run>/best.pt benchmark=<logging.final_benchmark>`` into ``<run>/eval/<benchmark>``."""
+    from carl.cli import load_config
     from carl.eval import cli as carl_eval
 
     name = cfg.logging.final_benchmark
     print(f"benchmark {name} (its own conditions) on {run_dir / 'best.pt'}:", flush=True)
-    eval_cfg = carl_eval.load([f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
-                                          f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
+    eval_cfg = load_config("eval", [f"benchmark={name}", f"policy={run_dir / 'best.pt'}",
+                                    f"out_dir={run_dir / 'eval' / name}", f"device={device}", "overwrite=true"])
     return carl_eval.run(eval_cfg)
 
 
