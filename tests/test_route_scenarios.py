@@ -56,11 +56,23 @@ def test_the_leaderboard_route_filter(tmp_path: Path, caplog: pytest.LogCaptureF
     defs = parse_route_scenarios(write(tmp_path, XML))["7"]
     points = np.stack([np.arange(101.0), np.zeros(101)], -1)
     with caplog.at_level(logging.WARNING):
-        kept = scenarios_on_route(defs, points, "Town01_7")
+        placed = scenarios_on_route(defs, points, "Town01_7")
     first_inside = math.floor(30.0 - math.sqrt(2.0**2 - 1.5**2)) + 1  # 29: |x - 30| < 1.32
-    assert [(sd.name, i) for sd, i in kept] == [("DynamicObjectCrossing_1", first_inside)]
+    assert [(p.defn.name, p.index) for p in placed if p.kept] == [("DynamicObjectCrossing_1", first_inside)]
+    assert [p.defn.name for p in placed if not p.kept] == ["ControlLoss_1", "Left_1", "Back_1"]
+    assert all("not on the route" in p.reason for p in placed if not p.kept)
     dropped = " ".join(r.getMessage() for r in caplog.records)
     assert "ControlLoss_1" in dropped and "Left_1" in dropped and "Back_1" in dropped
+
+
+def test_an_unknown_scenario_type_is_dropped_and_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    p = write(tmp_path, '<routes><route id="3" town="Town01"><scenarios><scenario name="s" type="Accident">'
+                        '<trigger_point x="5" y="0" yaw="0"/></scenario></scenarios></route></routes>')
+    points = np.stack([np.arange(20.0), np.zeros(20)], -1)
+    with caplog.at_level(logging.WARNING):
+        (placed,) = scenarios_on_route(parse_route_scenarios(p)["3"], points, "Town01_3")
+    assert not placed.kept and "type Accident is not played" in placed.reason
+    assert "Town01_3: scenario s (Accident) dropped" in caplog.text
 
 
 @pytest.mark.parametrize("body,message", [

@@ -99,6 +99,7 @@ class Route:
     name: str
     points: np.ndarray
     lanes: np.ndarray
+    scenarios: tuple = ()  # the route's scenarios (envs.maps.scenarios.RouteScenario), kept and dropped
 
     def cumulative(self) -> np.ndarray:
         """[R] arc length from the first point (float64, starts at 0)."""

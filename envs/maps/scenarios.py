@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 ROUTE_MATCH_DIST_M = 2.0  # LB route_parser DIST_THRESHOLD
 ROUTE_MATCH_ANGLE_DEG = 10.0  # LB route_parser ANGLE_THRESHOLD
+# The scenario types carl plays (longest6 v2's six, ../shared/docs/scenarios.md §3), in the order of the per-type
+# tables and statistics; a route file's other types are dropped with a warning naming them.
+SCENARIO_TYPES = ("DynamicObjectCrossing", "SignalizedJunctionLeftTurn", "ControlLoss", "SignalizedJunctionRightTurn",
+                  "OppositeVehicleRunningRedLight", "VehicleTurningRoute")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,21 @@ class ScenarioDef:
         except ValueError:
             raise RouteError(f"scenario {self.name} ({self.type}): parameter <{tag} value={attrs['value']!r}> "
                              "is not a number") from None
+
+
+@dataclass(frozen=True)
+class RouteScenario:
+    """A scenario on its route: ``index`` is the route point that matched its trigger (-1: dropped, ``reason`` says
+    why)."""
+
+    defn: ScenarioDef
+    index: int
+    reason: str = ""
+    last: int = -1  # the last route point of the trigger's 2 m circle (the ego activates it between index and last)
+
+    @property
+    def kept(self) -> bool:
+        return self.index >= 0
 
 
 def parse_route_scenarios(path: str | Path) -> dict[str, list[ScenarioDef]]:
@@ -86,23 +105,28 @@ def _scenario(path: Path, rid: str, k: int, s: ET.Element) -> ScenarioDef:
 
 
 def scenarios_on_route(defs: list[ScenarioDef], points: np.ndarray, route_name: str = "route"
-                       ) -> list[tuple[ScenarioDef, int]]:
-    """The scenarios the Leaderboard keeps on a route of dense ``points`` [N, 2] (1 m apart, our frame), each with
-    the index of the route point that matched its trigger (the first one closer than 2.0 m with a heading within 10°
-    of the trigger's); the others are dropped with a warning naming them."""
+                       ) -> list[RouteScenario]:
+    """Every scenario of a route of dense ``points`` [N, 2] (1 m apart, our frame), in file order: kept ones with the
+    index of the route point that matched their trigger (the first one closer than 2.0 m with a heading within 10°
+    of the trigger's), dropped ones (a type carl does not play, a trigger off the route) with the reason, each
+    dropped one with a warning naming the route and scenario."""
     pts = np.asarray(points, np.float64)
     d = np.diff(pts, axis=0)
     heading = np.arctan2(d[:, 1], d[:, 0])
     heading = np.concatenate([heading, heading[-1:]])  # the last point keeps the last segment's heading
-    kept = []
+    out = []
     for sd in defs:
-        dist = np.linalg.norm(pts - np.asarray(sd.xy), axis=1)
-        dyaw = np.abs((heading - sd.yaw + np.pi) % (2 * np.pi) - np.pi)
-        ok = np.nonzero((dist < ROUTE_MATCH_DIST_M) & (dyaw < math.radians(ROUTE_MATCH_ANGLE_DEG)))[0]
-        if len(ok):
-            kept.append((sd, int(ok[0])))
+        if sd.type not in SCENARIO_TYPES:
+            out.append(RouteScenario(sd, -1, f"type {sd.type} is not played by carl (it plays {', '.join(SCENARIO_TYPES)})"))
         else:
-            log.warning("%s: scenario %s (%s) is not on the route (no route point within %.1f m and %.0f deg of its "
-                        "trigger); dropped, as the Leaderboard does", route_name, sd.name, sd.type,
-                        ROUTE_MATCH_DIST_M, ROUTE_MATCH_ANGLE_DEG)
-    return kept
+            dist = np.linalg.norm(pts - np.asarray(sd.xy), axis=1)
+            dyaw = np.abs((heading - sd.yaw + np.pi) % (2 * np.pi) - np.pi)
+            ok = np.nonzero((dist < ROUTE_MATCH_DIST_M) & (dyaw < math.radians(ROUTE_MATCH_ANGLE_DEG)))[0]
+            near = dist < ROUTE_MATCH_DIST_M
+            last = int(ok[0]) + int(np.argmin(near[ok[0]:])) - 1 if len(ok) and not near[ok[0]:].all() else len(pts) - 1
+            out.append(RouteScenario(sd, int(ok[0]), last=last) if len(ok) else RouteScenario(
+                sd, -1, f"not on the route (no route point within {ROUTE_MATCH_DIST_M:.1f} m and "
+                        f"{ROUTE_MATCH_ANGLE_DEG:.0f} deg of its trigger), as the Leaderboard drops it"))
+        if not out[-1].kept:
+            log.warning("%s: scenario %s (%s) dropped: %s", route_name, sd.name, sd.type, out[-1].reason)
+    return out

@@ -29,6 +29,10 @@ class SimConfig:
     route_turn_bias: float = 0.0  # random routes take turning successors (1 + bias) times as often as straight ones
     route_junction_start: float = 0.0  # share of random routes that start 5-50 m before a junction (Leaderboard-like)
     num_routes: int = 512  # size of the random route bank
+    route_scenarios: bool = True  # play the route file's scenarios (Leaderboard 2.0 files: longest6's 429); false: drive its routes without them
+    scenario_density: float = 0.0  # scenarios per km placed on random (training) routes (longest6 v2 carries ~3.7/km)
+    # relative frequency of the six types on random routes (envs.maps.scenarios.SCENARIO_TYPES order; longest6 v2's counts)
+    scenario_weights: tuple[float, float, float, float, float, float] = (116.0, 112.0, 80.0, 76.0, 43.0, 2.0)
     first_route: int = 0  # route_file / eval split: row i starts with route first_route + i (a slice of the file)
     route_stride: int = 0  # ... and then drives + stride, + 2 stride, ...; 0 = num_envs (CARLA workers: the worker count)
     map_ppm: float = 4.0  # resolution of the map raster (off-road, lane lookups, BEV source)
@@ -97,6 +101,11 @@ class SimConfig:
         need(len(self.route_length) == 2 and 10 <= self.route_length[0] <= self.route_length[1], "route_length",
              "give (min, max) metres with 10 <= min <= max")
         need(self.num_routes >= 1, "num_routes", "must be >= 1")
+        need(0 <= self.scenario_density <= 50, "scenario_density", "must be in [0, 50] scenarios per km")
+        need(len(self.scenario_weights) == 6 and all(w >= 0 for w in self.scenario_weights)
+             and sum(self.scenario_weights) > 0, "scenario_weights",
+             "give six weights >= 0 with a positive sum (DynamicObjectCrossing, SignalizedJunctionLeftTurn, ControlLoss, "
+             "SignalizedJunctionRightTurn, OppositeVehicleRunningRedLight, VehicleTurningRoute)")
         need(self.first_route >= 0, "first_route", "must be >= 0")
         need(self.route_stride >= 0, "route_stride", "must be >= 0 (0 = num_envs)")
         need(self.map_ppm > 0 and self.bev_ppm > 0, "map_ppm", "pixels per metre must be > 0")

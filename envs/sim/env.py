@@ -27,6 +27,7 @@ from envs.sim.parts import (ActorSource, EgoDynamics, KinematicBicycle, LightCyc
                             RouteStarts, SimTraffic, StartSource)
 from envs.sim.rewards import CarlCarlaReward, Reward
 from envs.sim.rules import RULE_SETS, Rules, Tracking
+from envs.sim.scenarios import RouteScenarios
 from envs.sim.state import Setup, SimState, assign_rows
 from envs.sim.world import LightFn, World, load_world
 
@@ -45,7 +46,7 @@ class SimEnv(BatchedEnv):
                  world: World | None = None, *, starts: StartSource | None = None,
                  ego: EgoDynamics | None = None, actors: ActorSource | None = None, lights: LightSource | None = None,
                  rules: Rules | None = None, reward: Reward | None = None, observer: Observer | None = None,
-                 metrics: tuple[Metrics, ...] = (), state_type: type[SimState] = SimState, data: object = None):
+                 metrics: tuple[Metrics, ...] = (), scenarios: RouteScenarios | None = None, state_type: type[SimState] = SimState, data: object = None):
         if num_envs < 1:
             raise ValueError(f"num_envs={num_envs}: need at least one environment")
         cfg = cfg.validate()
@@ -64,11 +65,12 @@ class SimEnv(BatchedEnv):
         self.reward = reward if reward is not None else CarlCarlaReward()
         self.observer = observer if observer is not None else CarlaObserver()
         self.metrics = tuple(metrics)
+        self.scenarios = scenarios if scenarios is not None else RouteScenarios()
         if cfg.reward.mode != self.reward.mode:
             raise ConfigError(f"reward.mode={cfg.reward.mode!r} needs inputs this backend does not measure (CaRL's "
                               f"nuPlan reward: env=nuplan); use reward.mode={self.reward.mode} here")
-        for part in (self.starts, self.ego, self.actors, self.lights, self.rules, self.reward, self.observer,
-                     *self.metrics):
+        for part in (self.starts, self.ego, self.actors, self.scenarios, self.lights, self.rules, self.reward,
+                     self.observer, *self.metrics):
             part.bind(self.setup)
         self.observation_spec = self.observer.spec()
         self.action_spec = TensorSpec((2,), torch.float32, -1.0, 1.0, self.ego.action_names)
@@ -105,9 +107,9 @@ class SimEnv(BatchedEnv):
             stop_done=torch.zeros(B, dtype=torch.bool, device=dev), hist_speed=None, hist_yaw=None,
             veh=None, ped=None, statics=None, reward_state=RewardState.zeros(B, dev), ep_return=zeros.clone(),
             counts=torch.zeros(B, len(INFRACTIONS), dtype=torch.long, device=dev), outside_m=zeros.clone(),
-            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev))
+            prev_soft=torch.zeros(B, 4, dtype=torch.bool, device=dev), crit=CriteriaState.zeros(B, dev), scn=None)
         self.starts.place(s, rows)
-        for part in (self.ego, self.actors, self.lights, self.reward, *self.metrics):
+        for part in (self.ego, self.actors, self.scenarios, self.lights, self.reward, *self.metrics):
             part.reset(s, rows)
         return s
 
@@ -124,9 +126,11 @@ class SimEnv(BatchedEnv):
     def step(self, action: Tensor) -> StepResult:
         """move -> judge -> reward -> record -> reset -> observe (see the module docstring)."""
         action, s = self.checked_action(action), self.state
-        self.ego.step(s, action)
+        self.ego.step(s, self.scenarios.control(s, action))
         self.actors.step(s, self.light_lookup(s))
+        self.scenarios.step(s)
         judged = self.rules.judge(s, self.follow(s))
+        self.scenarios.record(s)
         for m in self.metrics:
             m.record(s)
         reward = self.reward.reward(s, judged)
@@ -161,8 +165,9 @@ class SimEnv(BatchedEnv):
         return self.rules.track(s, self.light_lookup(s))
 
     def light_lookup(self, s: SimState) -> LightFn:
-        """The colour of the light groups in state ``s`` (the light part's answer)."""
-        return lambda group: self.lights.state(s, group)
+        """The colour of the light groups in state ``s``: the light part's answer, with the live scenarios'
+        overrides."""
+        return lambda group: self.scenarios.lights(s, group, *self.lights.state(s, group))
 
     def episode_info(self, s: SimState, done: Tensor, ending: Tensor, truncated: Tensor,
                      aborted: Tensor | None = None) -> dict[str, Tensor]:
@@ -172,6 +177,7 @@ class SimEnv(BatchedEnv):
         info = record.episode_info(self.world, s, done, ending, finished)
         for part in (*self.metrics, self.reward):
             info.update(part.episode_info(s, done, ending, truncated))
+        info.update(self.scenarios.episode_info(s))
         return info
 
     def restart_finished(self, s: SimState, done: Tensor) -> None:
@@ -181,6 +187,7 @@ class SimEnv(BatchedEnv):
             assign_rows(s, rows, self.initial_state(rows))
             self.starts.advance(done)
         self.actors.refresh(s)
+        self.scenarios.refresh(s)
 
     def observe(self, s: SimState | None = None, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
         """The observation of state ``s`` (default the env's); ``speed_limit`` [B] when known already."""

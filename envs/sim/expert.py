@@ -111,7 +111,7 @@ class Expert:
         ahead = (ev_idx - s.route_idx.unsqueeze(1)).float()
         is_sign = w.stop_control[stop] == 2
         group = torch.where(is_sign, torch.full_like(stop, -1), w.stop_group[stop])
-        state, _ = env.lights.state(s, group)
+        state, _ = env.light_lookup(s)(group)
         to_line = ahead - env.ego_half[:, :1]  # nose to line
         can_stop = to_line > s.ego_speed.unsqueeze(1) ** 2 / (2 * 4.0) - 0.5
         must = near & (ahead > -1.0) & (((state == 2) | ((state == 1) & can_stop)) & ~is_sign

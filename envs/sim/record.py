@@ -8,6 +8,7 @@ from torch import Tensor
 from envs.sim import infractions
 from envs.sim.infractions import HARD, INFRACTIONS
 from envs.sim.rules import Judgement
+from envs.sim.scenario_world import SCENARIO_TIMEOUT_PENALTY
 from envs.sim.state import SimState
 from envs.sim.world import World
 
@@ -31,7 +32,8 @@ def episode_info(w: World, s: SimState, done: Tensor, ending: Tensor, finished: 
     whose route ended without them (route completed, or the backend's own end such as a log's last frame)."""
     route_len = w.route_len[s.route_id]
     outside_pct = s.outside_m / route_len.clamp(min=1e-3) * 100.0
-    score = infractions.infraction_score(s.counts, outside_pct) * s.crit.ms_factor
+    score = (infractions.infraction_score(s.counts, outside_pct) * s.crit.ms_factor
+             * SCENARIO_TIMEOUT_PENALTY ** s.scn.timeouts.float())
     reason = torch.cat((ending, finished.unsqueeze(-1)), -1)
     first = reason.float().argmax(-1)  # the first reason in TERMINATIONS order
     info = {

@@ -14,7 +14,35 @@ from envs.reward import RewardState
 from envs.sim.agents import PEDESTRIAN_HALF, Pedestrians, Statics, Vehicles
 from envs.sim.config import SimConfig
 from envs.sim.criteria import CriteriaState
+from envs.sim.scenario_world import FLOW_SLOTS, NUM_GROUPS, VEHICLE_GROUPS
 from envs.sim.world import World
+
+@dataclass
+class ScenarioState:
+    """Each row's route scenarios ([B, K]: the route's scenarios in route order) and the actors of its slot groups
+    ([B, G, F]); see :mod:`envs.sim.scenarios`."""
+
+    scn: Tensor  # [B,K] long: row of the world's scenario tables (the inert padding row where the route has fewer)
+    status: Tensor  # [B,K] long: 0 pending, 1 live, 2 done
+    t_act: Tensor  # [B,K] s: activation time
+    act_m: Tensor  # [B,K] route metres at activation
+    fin_m: Tensor  # [B,K] route metres when its actors finished (inf: not yet)
+    moving: Tensor  # [B,K] bool: its actor has started to move
+    collided: Tensor  # [B,K] bool: the ego collided while it was live, or hit its actor
+    timed_out: Tensor  # [B,K] bool
+    preempted: Tensor  # [B,K] bool: ended because a later one of its slot group activated
+    patch: Tensor  # [B,K] long: ControlLoss's next debris patch (3: none left)
+    near: Tensor  # [B,K] bool: the ego is within the patch's radius
+    signs: Tensor  # [B,K,3,2] ControlLoss's noise sign per patch (steer, throttle)
+    owner: Tensor  # [B,G] long: the scenario (K index; K = none) whose actors the slot group shows
+    act_s: Tensor  # [B,G,F] m along the path
+    act_v: Tensor  # [B,G,F] m/s
+    act_alive: Tensor  # [B,G,F] bool
+    act_half: Tensor  # [B,G,F,2]
+    next_gap: Tensor  # [B,G] m: the flow's next car spawns when the last one is this far from the source
+    prev_collisions: Tensor  # [B] long: the ego's collisions counted before this step
+    timeouts: Tensor  # [B] long: scenario timeouts this episode (each x0.7 under Leaderboard scoring)
+
 
 @dataclass
 class SimState:
@@ -46,6 +74,7 @@ class SimState:
     outside_m: Tensor  # metres of route progress made outside the lanes
     prev_soft: Tensor  # [B,4] bool: speeding, ttc, comfort, outside last step (to count events on rising edges)
     crit: CriteriaState
+    scn: ScenarioState
 
 
 @dataclass
@@ -62,12 +91,16 @@ class Setup:
     num_pedestrians: int
     num_statics: int
     ego_half: Tensor  # [B, 2] half length, half width
+    scenario_slots: tuple[int, int, int] = (0, 0, 0)  # the last vehicle, pedestrian and static slots scenarios own
 
     @classmethod
     def build(cls, cfg: SimConfig, world: World, num_envs: int, device: torch.device, gen: torch.Generator
               ) -> Setup:
-        return cls(cfg, world, num_envs, device, gen, max(1, cfg.num_vehicles), max(1, cfg.num_pedestrians),
-                   max(1, cfg.num_statics), torch.tensor(cfg.ego_half_extent, device=device).expand(num_envs, 2))
+        extra = ((FLOW_SLOTS + len(VEHICLE_GROUPS) - 1, NUM_GROUPS - len(VEHICLE_GROUPS),
+                  NUM_GROUPS - len(VEHICLE_GROUPS)) if world.has_scenarios else (0, 0, 0))
+        return cls(cfg, world, num_envs, device, gen, max(1, cfg.num_vehicles) + extra[0],
+                   max(1, cfg.num_pedestrians) + extra[1], max(1, cfg.num_statics) + extra[2],
+                   torch.tensor(cfg.ego_half_extent, device=device).expand(num_envs, 2), extra)
 
 
 def assign_rows(state, rows: Tensor, fresh) -> None:

@@ -20,6 +20,8 @@ from envs.maps.atlas import build_atlas
 from envs.maps.rasterize import MapRaster, load_or_compile_raster
 from envs.maps.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim.config import SimConfig
+from envs.sim.scenario_world import ScenarioTables, compile_scenarios, random_route_scenarios
+from envs.maps.scenarios import parse_route_scenarios, scenarios_on_route
 
 
 @dataclass
@@ -75,6 +77,14 @@ class World:
     route_cdf: Tensor  # [NR] cumulative probability of drawing each route (map weight / routes of that map)
     map_lane_km: Tensor  # [M] lane length of each map
     map_local_lane_km: Tensor  # [M] mean lane length within LOCAL_RADIUS of a lane point
+    # route scenarios (envs/sim/scenario_world.py): the tables, and every route's scenarios, kept or skipped with why
+    scn: ScenarioTables
+    route_scenarios: list[tuple]
+
+    @property
+    def has_scenarios(self) -> bool:
+        """Whether any route of the world carries a scenario to play."""
+        return bool((self.scn.route_scn >= 0).any())
 
     @property
     def num_routes(self) -> int:
@@ -134,6 +144,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     end_pts, end_dir = _stop_line_poses(graph)
     seg_start, seg_end, seg_lane = _lane_segments(graph)
     rt = _route_tables(routes, lane_stop)
+    scn, route_scenarios = compile_scenarios(graph, routes, device)
 
     t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
     lane_pts_t, route_lane_t, spacing_t = t(lane_pts), t(rt["route_lane"]), t(spacing, torch.float32)
@@ -161,6 +172,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         map_names=list(map_names), route_map=t(route_map),
         lane_map=t(np.repeat(np.arange(M), np.diff(lane_offsets)), torch.long), route_cdf=t(route_cdf, torch.float32),
         map_lane_km=t(lane_km, torch.float32), map_local_lane_km=t(local_km, torch.float32),
+        scn=scn, route_scenarios=route_scenarios,
     )
 
 
@@ -344,7 +356,7 @@ def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> Wor
     Worlds are immutable, so they are shared between environment objects of the same process.
     """
     key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
-           cfg.route_split, cfg.route_file, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
+           cfg.route_split, cfg.route_file, cfg.route_scenarios, cfg.scenario_density, cfg.scenario_weights, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
            cfg.num_routes, cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
     if key not in _WORLDS:
         _WORLDS[key] = _build_world(cfg, device, route_seed)
@@ -360,14 +372,24 @@ def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
     (``key``, ``noun``: the option that picks the map and what it calls it, for the error)."""
     if cfg.route_file:
         town = Path(name).stem
-        routes = [plan_route(graph, kp, name=f"{t}_{rid}") for rid, t, kp in parse_leaderboard_xml(cfg.route_file)
-                  if t == town]
+        defs = parse_route_scenarios(cfg.route_file) if cfg.route_scenarios else {}
+        routes = []
+        for rid, t, kp in parse_leaderboard_xml(cfg.route_file):
+            if t == town:
+                r = plan_route(graph, kp, name=f"{t}_{rid}")
+                r.scenarios = tuple(scenarios_on_route(defs.get(rid, []), r.points, f"route file {cfg.route_file}: "
+                                                       f"route {rid} ({r.name})"))
+                routes.append(r)
         if not routes:
             raise MapError(f"route file {cfg.route_file} has no routes for {noun} '{town}'; set {key} to a {noun} it uses")
         return routes
     seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
-    return random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
-                         junction_start=cfg.route_junction_start)
+    routes = random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
+                           junction_start=cfg.route_junction_start)
+    rng = np.random.default_rng([seed, 23])
+    for r in routes:
+        r.scenarios = random_route_scenarios(graph, r, cfg.scenario_density, cfg.scenario_weights, rng)
+    return routes
 
 
 def bev_reach_m(cfg: SimConfig) -> float:
@@ -393,7 +415,7 @@ def _build_world(cfg: SimConfig, device: torch.device, route_seed: int) -> World
     rasters = [load_or_compile_raster(g, cfg.map_ppm, map_cache_dir(cfg)) for g in graphs]
     # no BEV shows another map (traffic, pedestrians and spawns are drawn on the row's own map anyway)
     atlas = build_atlas(graphs, rasters, gap_m=bev_reach_m(cfg) + 10.0)
-    moved = [[Route(r.name, (r.points + atlas.shifts[k]).astype(np.float32), r.lanes + atlas.lane_offsets[k])
+    moved = [[Route(r.name, (r.points + atlas.shifts[k]).astype(np.float32), r.lanes + atlas.lane_offsets[k], r.scenarios)
               for r in rs] for k, rs in enumerate(routes_by_map)]
     # interleaved (route j of every map, then route j + 1, ...): the first N routes of a fixed assignment (the eval
     # split) cover every map

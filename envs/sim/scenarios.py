@@ -1,0 +1,349 @@
+"""The route scenarios part: activates each route's scenarios as the Leaderboard does and plays them, batched.
+
+A scenario activates once, when the ego's route index enters its trigger's 2 m circle (``ScenarioTriggerer``);
+any number may be live at once. Its actors follow scripted paths at constant speed (pedestrian, cyclist, emergency
+vehicle, the junction flows) and are written into the last actor slots of the state (``Setup.scenario_slots``), so
+that every observation, infraction check and background driver sees them like any other actor. The junction
+scenarios override their junction's lights; ControlLoss perturbs the ego's controls at its debris patches. What each
+type does is compiled into tables once (:mod:`envs.sim.scenario_world`); the step indexes them, with no loop over
+environments, scenarios or actors. ``../shared/docs/scenarios.md`` is the reference; docs/fidelity.md the
+differences.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from envs.maps.scenarios import SCENARIO_TYPES
+from envs.sim.agents import LIGHT_EMERGENCY, sizes
+from envs.sim.infractions import INFRACTIONS
+from envs.sim.parts import Part
+from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
+                                     VEHICLE_GROUPS)
+from envs.sim.state import ScenarioState, SimState
+
+PENDING, LIVE, DONE = 0, 1, 2
+OUTCOMES = ("triggered", "passed", "collided", "timed_out", "preempted", "not_reached")
+LOSS_NOISE = ((0.055, 0.015), (0.03, 0.01))  # (mean, std) of the steer and throttle noise per 20 Hz tick
+LB_TICK = 0.05  # s: the Leaderboard's tick, at which ControlLoss draws its noise
+FLOW_BRAKE = 4.0  # m/s^2: a junction flow brakes to a stop after a collision (CARLA: it starts to drive with care)
+COAST = 1.2  # m/s^2: the emergency vehicle coasts after a collision (empty controls)
+COLLISIONS = [INFRACTIONS.index(k) for k in ("collision_vehicle", "collision_pedestrian", "collision_static")]
+
+
+class RouteScenarios(Part):
+    """Plays the world's route scenarios (``world.scn``); inert on a world without any."""
+
+    def bind(self, setup) -> None:  # noqa: ANN001 - Setup
+        super().bind(setup)
+        w = setup.world
+        self.on = w.has_scenarios
+        self.tab = w.scn
+        self.pad = w.scn.type.shape[0] - 1  # the inert row
+        v, p, o = setup.scenario_slots
+        self.veh0 = setup.num_vehicles - v
+        self.ped0 = setup.num_pedestrians - p
+        self.sta0 = setup.num_statics - o
+        self.noise_ticks = max(1, round(setup.cfg.dt / LB_TICK))
+
+    # ------------------------------------------------------------------ fresh episodes
+    def reset(self, s: SimState, rows: Tensor) -> None:
+        st, dev = self.setup, self.setup.device
+        B = len(rows)
+        scn = self.tab.route_scn[s.route_id] if self.on else torch.full((B, 1), -1, dtype=torch.long, device=dev)
+        scn = torch.where(scn >= 0, scn, torch.full_like(scn, self.pad if self.on else 0))
+        K, G, F = scn.shape[1], NUM_GROUPS, FLOW_SLOTS
+        zk, zb = torch.zeros(B, K, device=dev), torch.zeros(B, K, dtype=torch.bool, device=dev)
+        if self.on:  # no draws on a world without scenarios: its random stream stays as it was
+            signs = torch.where(torch.rand((B, K, 3, 2), generator=st.gen, device=dev) < 0.5, -1.0, 1.0)
+            half = sizes((B, G, F), st.gen, dev)
+        else:
+            signs, half = torch.ones(B, K, 3, 2, device=dev), torch.ones(B, G, F, 2, device=dev)
+        s.scn = ScenarioState(
+            scn=scn, status=torch.zeros(B, K, dtype=torch.long, device=dev), t_act=zk.clone(), act_m=zk.clone(),
+            fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), timed_out=zb.clone(), preempted=zb.clone(),
+            patch=torch.zeros(B, K, dtype=torch.long, device=dev), near=zb.clone(), signs=signs,
+            owner=torch.full((B, G), K, dtype=torch.long, device=dev), act_s=torch.zeros(B, G, F, device=dev),
+            act_v=torch.zeros(B, G, F, device=dev), act_alive=torch.zeros(B, G, F, dtype=torch.bool, device=dev),
+            act_half=half, next_gap=torch.zeros(B, G, device=dev),
+            prev_collisions=torch.zeros(B, dtype=torch.long, device=dev),
+            timeouts=torch.zeros(B, dtype=torch.long, device=dev))
+        if self.on:
+            self.step(s, activate=False)
+
+    # ------------------------------------------------------------------ the step
+    def control(self, s: SimState, action: Tensor) -> Tensor:
+        """ControlLoss (``AddNoiseToRouteEgo``): while the ego is within 2 m of a live scenario's next debris patch,
+        its steer and throttle get noise N(±mean, std) (one sign per patch; ``noise_ticks`` 20 Hz draws averaged
+        per step). Throttle noise while braking eases the brake by the same acceleration."""
+        if not self.on:
+            return action
+        c, tab, st = s.scn, self.tab, self.setup
+        live = (c.status == LIVE) & (tab.type[c.scn] == LOSS) & (c.patch < 3)
+        patch_xy = tab.patch_xy[c.scn].gather(2, c.patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)
+        near = live & ((patch_xy - s.ego_xy.unsqueeze(1)).norm(dim=-1) < LOSS_RADIUS)
+        c.patch = c.patch + (c.near & ~near).long()  # the ego has left the patch: the next one
+        c.near = near
+        sign = c.signs.gather(2, c.patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)  # [B,K,2]
+        mean = torch.tensor([m for m, _ in LOSS_NOISE], device=st.device)
+        std = torch.tensor([d for _, d in LOSS_NOISE], device=st.device) / math.sqrt(self.noise_ticks)
+        draw = sign * mean + std * torch.randn(sign.shape, generator=st.gen, device=st.device)
+        noise = torch.where(near.unsqueeze(-1), draw, torch.zeros_like(draw)).sum(1)  # [B, 2]
+        steer = (action[:, 0] + noise[:, 0]).clamp(-1.0, 1.0)
+        lon = action[:, 1]
+        lon = torch.where(lon >= 0, (lon + noise[:, 1]).clamp(0.0, 1.0),
+                          (lon + noise[:, 1] * st.cfg.max_accel / st.cfg.max_brake).clamp(max=0.0))
+        return torch.stack((steer, lon), -1)
+
+    def step(self, s: SimState, activate: bool = True) -> None:
+        """Activate, move, end; then write the actors into their slots (after the other actors moved)."""
+        if not self.on:
+            return
+        c, tab, w, dt = s.scn, self.tab, self.setup.world, self.setup.cfg.dt
+        route_m = w.route_cum[s.route_id, s.route_idx]
+        if activate:
+            ri = s.route_idx.unsqueeze(1)
+            fire = (c.status == PENDING) & (ri >= tab.act_first[c.scn]) & (ri <= tab.act_last[c.scn])
+            c.status = torch.where(fire, LIVE, c.status)
+            c.t_act = torch.where(fire, s.t.unsqueeze(1), c.t_act)
+            c.act_m = torch.where(fire, route_m.unsqueeze(1), c.act_m)
+        self._assign_groups(s)
+        g = self._group_scenario(c)  # [B,G] table row each group shows
+        live_g = self._group_status(c) == LIVE
+        # single actors start by the ego's time to arrival at the conflict point (or its distance)
+        d = (tab.c_xy[c.scn] - s.ego_xy.unsqueeze(1)).norm(dim=-1)
+        tta = d / s.ego_speed.clamp(min=1e-3).unsqueeze(1)
+        start = (c.status == LIVE) & ~c.moving & ((tta < tab.react[c.scn]) | (d < tab.min_dist[c.scn]))
+        c.moving |= start & (tab.react[c.scn] > 0)
+        if activate:
+            self._move(s, g, live_g, dt, route_m)
+        self._end(s, route_m)
+        self._write(s, self._group_scenario(c))
+
+    def _assign_groups(self, s: SimState) -> None:
+        """Each slot group shows its latest live scenario, else its next pending one; an older live one in the same
+        group ends (preempted). A group that changes scenario starts its actors afresh."""
+        c, tab = s.scn, self.tab
+        B, K = c.status.shape
+        member = tab.group[c.scn].unsqueeze(-1) == torch.arange(NUM_GROUPS, device=c.status.device)  # [B,K,G]
+        k = torch.arange(K, device=c.status.device).view(1, K, 1)
+        live_k = torch.where(member & (c.status == LIVE).unsqueeze(-1), k, -1).amax(1)  # [B,G]
+        pend_k = torch.where(member & (c.status == PENDING).unsqueeze(-1), k, K).amin(1)
+        owner = torch.where(live_k >= 0, live_k, pend_k)
+        older = (c.status == LIVE) & member.any(-1) & (
+            torch.gather(live_k, 1, tab.group[c.scn].clamp(min=0)) != k.squeeze(-1))
+        c.preempted |= older
+        c.status = torch.where(older, DONE, c.status)
+        changed = owner != c.owner
+        c.owner = owner
+        row = self._group_scenario(c)
+        fresh = changed.unsqueeze(-1)
+        c.act_alive = torch.where(fresh, False, c.act_alive)
+        c.act_s = torch.where(fresh, 0.0, c.act_s)
+        c.act_v = torch.where(fresh, tab.speed[row].unsqueeze(-1), c.act_v)
+        c.next_gap = torch.where(changed, 0.0, c.next_gap)
+
+    def _group_scenario(self, c: ScenarioState) -> Tensor:
+        """[B,G] the table row each slot group shows (the inert row for none)."""
+        K = c.status.shape[1]
+        row = torch.gather(c.scn, 1, c.owner.clamp(max=K - 1))
+        return torch.where(c.owner < K, row, torch.full_like(row, self.pad))
+
+    def _group_status(self, c: ScenarioState) -> Tensor:
+        K = c.status.shape[1]
+        st = torch.gather(c.status, 1, c.owner.clamp(max=K - 1))
+        return torch.where(c.owner < K, st, torch.full_like(st, DONE))
+
+    def _group_flag(self, c: ScenarioState, flag: Tensor) -> Tensor:
+        K = c.status.shape[1]
+        return torch.gather(flag, 1, c.owner.clamp(max=K - 1)) & (c.owner < K)
+
+    def _move(self, s: SimState, g: Tensor, live_g: Tensor, dt: float, route_m: Tensor) -> None:
+        """Flows: cars advance at the flow's speed (braking to a stop once their scenario collided), leave at the
+        sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
+        except inside the junction). Single actors walk or drive their path once started, then leave."""
+        c, tab, st = s.scn, self.tab, self.setup
+        B, G, F = c.act_s.shape
+        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        flow = live_g & is_flow  # [B,G]
+        collided = self._group_flag(c, c.collided)
+        moving = self._group_flag(c, c.moving)
+        brake = torch.where(is_flow, FLOW_BRAKE, COAST)
+        c.act_v = torch.where(collided.unsqueeze(-1), (c.act_v - brake.unsqueeze(-1) * dt).clamp(min=0.0), c.act_v)
+        go = c.act_alive & (flow | moving).unsqueeze(-1)
+        c.act_s = torch.where(go, c.act_s + c.act_v * dt, c.act_s)
+        # single actors (slot 0): shown from activation (or from the start: the cyclist) until they have moved
+        # move_dist; flows: until the sink
+        end = torch.where(flow, tab.path_len[g], tab.move_dist[g]).unsqueeze(-1)
+        finished = c.act_alive & (c.act_s >= end)
+        single_done = finished[..., 0] & ~flow & moving
+        c.fin_m = torch.where(self._scatter_k(c, single_done), route_m.unsqueeze(1), c.fin_m)
+        c.act_alive &= ~finished
+        # fresh flows: pre-fill along the path (outside the junction), then the spawn rule
+        first = flow & (c.next_gap == 0)
+        gaps = tab.gap_lo[g].unsqueeze(-1) + torch.rand((B, G, F), generator=st.gen, device=st.device) * (
+            tab.gap_hi[g] - tab.gap_lo[g]).unsqueeze(-1)
+        pos = gaps.cumsum(-1) - gaps[..., :1]  # 0, g1, g1 + g2, ...
+        idx = pos.long().clamp(max=tab.path.shape[1] - 1)
+        inside = torch.gather(tab.path_junction[g], 2, idx)
+        prefill = first & tab.prefill[g]
+        fill = prefill.unsqueeze(-1) & (pos < tab.path_len[g].unsqueeze(-1)) & ~inside
+        fill[..., 0] |= first & ~tab.prefill[g]
+        c.act_alive |= fill
+        c.act_s = torch.where(fill, torch.where(prefill.unsqueeze(-1), pos, 0.0), c.act_s)
+        c.act_v = torch.where(fill, tab.speed[g].unsqueeze(-1), c.act_v)
+        nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
+        spawn = flow & ~first & ~collided & (nearest > c.next_gap) & ~c.act_alive.all(-1)
+        slot = (~c.act_alive).float().argmax(-1, keepdim=True)
+        new = torch.zeros_like(c.act_alive).scatter(2, slot, spawn.unsqueeze(-1))
+        c.act_alive |= new
+        c.act_s = torch.where(new, 0.0, c.act_s)
+        c.act_v = torch.where(new, tab.speed[g].unsqueeze(-1), c.act_v)
+        redraw = first | spawn
+        c.next_gap = torch.where(redraw, gaps[..., 0], c.next_gap)
+        # the single actors appear: at activation (the cyclist before, standing)
+        single = ~is_flow & (tab.group[g] >= 0) & ~self._group_flag(c, (c.fin_m < math.inf) | c.collided)
+        show = single & (live_g | (tab.show_early[g] & (self._group_status(c) == PENDING)))
+        c.act_alive[..., 0] = torch.where(single & ~c.act_alive[..., 0] & (c.act_s[..., 0] == 0), show,
+                                          c.act_alive[..., 0])
+
+    def _scatter_k(self, c: ScenarioState, per_group: Tensor) -> Tensor:
+        """A [B,G] flag of the groups' scenarios as a [B,K] flag."""
+        K = c.status.shape[1]
+        return torch.zeros_like(c.moving).scatter(1, c.owner.clamp(max=K - 1), per_group & (c.owner < K))
+
+    def _end(self, s: SimState, route_m: Tensor) -> None:
+        """End rules: a route point reached (junction types), metres after the actors finished or after activation,
+        or the scenario timeout (x0.7; the blocked timer is off while a timeout runs)."""
+        c, tab = s.scn, self.tab
+        live = c.status == LIVE
+        m = route_m.unsqueeze(1)
+        end_idx = tab.end_idx[c.scn]
+        by_point = (end_idx >= 0) & (s.route_idx.unsqueeze(1) >= end_idx)
+        by_metres = (end_idx < 0) & torch.where(tab.end_from_act[c.scn], m >= c.act_m + tab.end_after_m[c.scn],
+                                                m >= c.fin_m + tab.end_after_m[c.scn])
+        timed_out = live & (s.t.unsqueeze(1) - c.t_act >= tab.timeout_s[c.scn])
+        ended = live & (by_point | by_metres | timed_out)
+        c.timed_out |= timed_out
+        c.timeouts = c.timeouts + timed_out.sum(1)
+        c.status = torch.where(ended, DONE, c.status)
+        waiting = ((c.status == LIVE) & torch.isfinite(tab.timeout_s[c.scn])).any(1)
+        s.still_time = torch.where(waiting, torch.zeros_like(s.still_time), s.still_time)
+        gone = self._group_status(c) == DONE
+        c.act_alive &= ~gone.unsqueeze(-1)
+
+    def _write(self, s: SimState, g: Tensor) -> None:
+        """The groups' actors into their slots: the flow group's cars and the single vehicles into the last vehicle
+        slots, pedestrians and their blockers into the last pedestrian and static slots."""
+        c, tab = s.scn, self.tab
+        xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
+        half = torch.where((tab.type[g] == LEFT) | (tab.type[g] == RIGHT), True, False).unsqueeze(-1).unsqueeze(-1)
+        half = torch.where(half, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
+        vg = list(VEHICLE_GROUPS)
+        pick = lambda x: torch.cat((x[:, 0], x[:, vg[1:], 0]), 1)  # noqa: E731 - [B, FLOW_SLOTS + singles]
+        v = s.veh
+        a = self.veh0
+        moving = self._group_flag(c, c.moving) | ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))
+        speed = torch.where(moving.unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
+        v.xy[:, a:] = pick(xy)
+        v.yaw[:, a:] = pick(yaw)
+        v.speed[:, a:] = pick(speed)
+        v.half[:, a:] = pick(half)
+        v.valid[:, a:] = pick(c.act_alive)
+        v.lights[:, a:] = torch.where(pick(tab.emergency[g].unsqueeze(-1).expand_as(c.act_s)), LIGHT_EMERGENCY, 0
+                                      ).to(v.lights.dtype)
+        p, walkers = s.ped, list(range(len(VEHICLE_GROUPS), NUM_GROUPS))
+        p.xy[:, self.ped0:] = xy[:, walkers, 0]
+        p.yaw[:, self.ped0:] = yaw[:, walkers, 0]
+        p.speed[:, self.ped0:] = tab.speed[g[:, walkers]]
+        p.moving[:, self.ped0:] = self._group_flag(c, c.moving)[:, walkers]
+        p.valid[:, self.ped0:] = c.act_alive[:, walkers, 0]
+        o = s.statics
+        gw = g[:, walkers]
+        o.xy[:, self.sta0:] = tab.blocker_xy[gw]
+        o.yaw[:, self.sta0:] = tab.blocker_yaw[gw]
+        o.half[:, self.sta0:] = o.half.new_tensor(DOC_BLOCKER_HALF).expand(*gw.shape, 2)
+        o.valid[:, self.sta0:] = tab.blocker_on[gw] & (self._group_status(c)[:, walkers] != DONE) & ~self._group_flag(
+            c, c.fin_m < math.inf)[:, walkers]
+
+    def _pose(self, g: Tensor, s_along: Tensor) -> tuple[Tensor, Tensor]:
+        """Position and heading at arc length ``s_along`` on the paths of table rows ``g``."""
+        path = self.tab.path
+        P = path.shape[1]
+        f = s_along.clamp(min=0.0)
+        i = f.floor().long().clamp(0, P - 2)
+        t = (f - i).clamp(0.0, 1.0).unsqueeze(-1)
+        flat = path.reshape(-1, 2)
+        base = g * P + i
+        p0, p1 = flat[base], flat[base + 1]
+        d = p1 - p0
+        # a path's padding repeats its last point: keep the last segment's heading there
+        last = self.tab.path_len[g].long().clamp(1, P - 1)
+        dl = flat[g * P + last] - flat[g * P + last - 1]
+        d = torch.where((d.norm(dim=-1, keepdim=True) < 1e-6), dl, d)
+        return p0 + (p1 - p0) * t, torch.atan2(d[..., 1], d[..., 0])
+
+    def refresh(self, s: SimState) -> None:
+        """Write the actors again after the background traffic's refresh (which may reuse their slots)."""
+        if self.on:
+            self._write(s, self._group_scenario(s.scn))
+
+    # ------------------------------------------------------------------ lights
+    def lights(self, s: SimState, group: Tensor, state: Tensor, yellow_left: Tensor) -> tuple[Tensor, Tensor]:
+        """The light overrides of live junction scenarios (``TrafficLightFreezer``): in their junction the ego's light
+        is red for ``ego_red_s`` then green, the flow's green, all others red."""
+        if not self.on:
+            return state, yellow_left
+        c, tab, w = s.scn, self.tab, self.setup.world
+        live = c.status == LIVE
+        jn = torch.where(live, tab.light_junction[c.scn], -1)  # [B,K]
+        q = group.clamp(min=0)
+        in_j = (w.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
+            jn >= 0).unsqueeze(1)  # [B,N,K]
+        red_phase = (s.t.unsqueeze(1) - c.t_act) < tab.ego_red_s[c.scn]
+        is_ego = group.unsqueeze(-1) == tab.light_ego[c.scn].unsqueeze(1)
+        is_src = group.unsqueeze(-1) == tab.light_src[c.scn].unsqueeze(1)
+        forced = torch.where(is_ego, torch.where(red_phase.unsqueeze(1), 2, 0), torch.where(is_src, 0, 2))
+        any_j = in_j.any(-1)
+        pick = in_j.float().argmax(-1, keepdim=True)
+        new = torch.gather(forced, 2, pick).squeeze(-1)
+        return torch.where(any_j, new, state), torch.where(any_j, torch.zeros_like(yellow_left), yellow_left)
+
+    # ------------------------------------------------------------------ outcomes
+    def record(self, s: SimState) -> None:
+        """After the rules judged the step: an ego collision while a scenario is live counts against it."""
+        if not self.on:
+            return
+        c = s.scn
+        n = s.counts[:, COLLISIONS].sum(1)
+        hit = n > c.prev_collisions
+        c.prev_collisions = n
+        c.collided |= hit.unsqueeze(1) & (c.status == LIVE)
+        # actors the rules removed from the world (a collision under Leaderboard rules) stay gone
+        v, p, F = s.veh.valid, s.ped.valid, FLOW_SLOTS
+        shown = c.act_alive.clone()
+        shown[:, 0] = v[:, self.veh0:self.veh0 + F]
+        shown[:, 1:len(VEHICLE_GROUPS), 0] = v[:, self.veh0 + F:]
+        shown[:, len(VEHICLE_GROUPS):, 0] = p[:, self.ped0:]
+        gone = (c.act_alive & ~shown).any(-1)  # [B,G]
+        c.act_alive &= shown
+        c.collided |= self._scatter_k(c, gone)
+
+    def episode_info(self, s: SimState) -> dict[str, Tensor]:
+        """``episode/scenarios/<type>/<outcome>``: per type, scenarios triggered, passed (ended without a collision
+        or timeout), collided, timed out, preempted, and not reached by the episode's end; and the timeouts."""
+        if not self.on:
+            return {}
+        c, tab = s.scn, self.tab
+        real = c.scn != self.pad
+        done_ok = (c.status == DONE) & ~c.collided & ~c.timed_out & ~c.preempted
+        flags = torch.stack((c.status > PENDING, done_ok, c.collided, c.timed_out, c.preempted, c.status == PENDING),
+                            -1) & real.unsqueeze(-1)  # [B,K,O]
+        onehot = tab.type[c.scn].unsqueeze(-1) == torch.arange(len(SCENARIO_TYPES), device=c.scn.device)  # [B,K,T]
+        table = torch.einsum("bkt,bko->bto", onehot.float(), flags.float())
+        info = {f"episode/scenarios/{name}/{o}": table[:, i, j] for i, name in enumerate(SCENARIO_TYPES)
+                for j, o in enumerate(OUTCOMES)}
+        info["episode/infractions/scenario_timeout"] = c.timeouts.float()
+        return info
