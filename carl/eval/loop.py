@@ -19,7 +19,8 @@ from carl.eval import EvalError
 from carl.factory import make_env
 from carl.eval.benchmarks import Benchmark, RouteGroup
 from carl.eval.policies import PolicyFactory, PolicyFn, PolicySource
-from carl.eval.store import ResultStore, aggregate, nuplan_record_fields, nuplan_summary, summarize, write_result
+from carl.eval.store import (ResultStore, aggregate, nuplan_record_fields, nuplan_summary, scenario_record_fields,
+                             summarize, write_result)
 from envs.api import BatchedEnv
 from envs.config import ConfigError
 from envs.metrics.leaderboard import make_record
@@ -101,6 +102,10 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
                                   env.control_dt))
             if "episode/nuplan_score" in ep:
                 store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.data.scenario_types[rid])
+                store.write()
+            world = getattr(env, "world", None)
+            if world is not None and getattr(world, "route_scenarios", None) and world.route_scenarios[rid]:
+                store.records[-1]["scenarios"] = scenario_record_fields(ep, world.route_scenarios[rid])
                 store.write()
             pending.discard(row)
             recorded += 1

@@ -43,11 +43,34 @@ def table_rows(summaries: dict[str, dict[str, Any]]) -> tuple[list[str], list[li
     return header, rows
 
 
+SCENARIO_COLUMNS = ("total", "skipped", "triggered", "passed", "collided", "timed_out", "preempted", "not_reached")
+
+
+def scenario_tables(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown lines: per policy, each town's scores and each scenario type's outcomes with the mean scores of the
+    routes that carry it (when the benchmark played scenarios)."""
+    md = []
+    for name, s in summaries.items():
+        if s.get("groups"):
+            md += ["", f"## {name}: per town", "", "| town | routes | DS | RC | IS |", "|---|---|---|---|---|"]
+            md += [f"| {g} | {v['routes']} | {v['driving_score']:.2f} | {v['route_completion']:.2f} | "
+                   f"{v['infraction_score']:.3f} |" for g, v in s["groups"].items()]
+        if s.get("scenarios"):
+            md += ["", f"## {name}: per scenario type", "",
+                   "| type | routes | " + " | ".join(SCENARIO_COLUMNS) + " | DS | RC | IS |",
+                   "|---|---|" + "---|" * (len(SCENARIO_COLUMNS) + 3)]
+            md += [f"| {k} | {v['routes']} | " + " | ".join(str(v.get(c, 0)) for c in SCENARIO_COLUMNS)
+                   + f" | {v['driving_score']:.2f} | {v['route_completion']:.2f} | {v['infraction_score']:.3f} |"
+                   for k, v in s["scenarios"].items()]
+    return md
+
+
 def write_tables(summaries: dict[str, dict[str, Any]], out_dir: Path, title: str) -> None:
     """``summary.md`` and ``summary.csv``: one row per policy."""
     header, rows = table_rows(summaries)
     md = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    md += scenario_tables(summaries)
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")
     buf = io.StringIO()
     writer = csv.writer(buf)

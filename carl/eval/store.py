@@ -105,7 +105,49 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
                             "route_completion": _mean_std([r["scores"]["score_route"] for r in rs])[0],
                             "infraction_score": _mean_std([r["scores"]["score_penalty"] for r in rs])[0]}
                         for g, rs in sorted(groups.items())}
+    if any("scenarios" in r for r in records):
+        result["scenarios"] = scenario_summary(records)
     return result
+
+
+def scenario_record_fields(ep: dict[str, float], placed: tuple) -> dict[str, dict[str, Any]]:
+    """A longest6 record's ``scenarios`` field: per scenario type, the route's scenarios (``placed``: the world's
+    :class:`~envs.maps.scenarios.RouteScenario` of the route) and what became of them in this episode (the env's
+    ``episode/scenarios/<type>/<outcome>``), those not played with their reasons."""
+    from envs.maps.scenarios import SCENARIO_TYPES
+    from envs.sim.scenarios import OUTCOMES
+
+    out: dict[str, dict[str, Any]] = {}
+    for rs in placed:
+        kind = out.setdefault(rs.defn.type, {"total": 0, "skipped": 0, "skipped_reasons": []})
+        kind["total"] += 1
+        if not rs.kept:
+            kind["skipped"] += 1
+            kind["skipped_reasons"].append(f"{rs.defn.name}: {rs.reason}")
+    for name, kind in out.items():
+        if name in SCENARIO_TYPES:
+            kind.update({o: int(round(ep.get(f"episode/scenarios/{name}/{o}", 0.0))) for o in OUTCOMES})
+    return out
+
+
+def scenario_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per scenario type over the records: the outcome counts summed, and the mean DS / RC / IS of the routes that
+    carry the type (a route counts for each type it carries)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        for name, kind in r.get("scenarios", {}).items():
+            agg = out.setdefault(name, {"routes": 0, "_ds": [], "_rc": [], "_is": []})
+            agg["routes"] += 1
+            for k, v in kind.items():
+                if isinstance(v, int):
+                    agg[k] = agg.get(k, 0) + v
+            agg["_ds"].append(r["scores"]["score_composed"])
+            agg["_rc"].append(r["scores"]["score_route"])
+            agg["_is"].append(r["scores"]["score_penalty"])
+    for agg in out.values():
+        for key, name in (("_ds", "driving_score"), ("_rc", "route_completion"), ("_is", "infraction_score")):
+            agg[name] = _mean_std(agg.pop(key))[0]
+    return dict(sorted(out.items()))
 
 
 def nuplan_record_fields(ep: dict[str, float], scenario_type: str) -> dict[str, Any]:

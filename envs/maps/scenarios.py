@@ -66,6 +66,7 @@ class RouteScenario:
     index: int
     reason: str = ""
     last: int = -1  # the last route point of the trigger's 2 m circle (the ego activates it between index and last)
+    nearest: int = -1  # the route point nearest the trigger (the trigger's own waypoint: the scenario's geometry)
 
     @property
     def kept(self) -> bool:
@@ -124,7 +125,8 @@ def scenarios_on_route(defs: list[ScenarioDef], points: np.ndarray, route_name: 
             ok = np.nonzero((dist < ROUTE_MATCH_DIST_M) & (dyaw < math.radians(ROUTE_MATCH_ANGLE_DEG)))[0]
             near = dist < ROUTE_MATCH_DIST_M
             last = int(ok[0]) + int(np.argmin(near[ok[0]:])) - 1 if len(ok) and not near[ok[0]:].all() else len(pts) - 1
-            out.append(RouteScenario(sd, int(ok[0]), last=last) if len(ok) else RouteScenario(
+            nearest = int(ok[0]) + int(np.argmin(dist[ok[0]:last + 1])) if len(ok) else -1
+            out.append(RouteScenario(sd, int(ok[0]), last=last, nearest=nearest) if len(ok) else RouteScenario(
                 sd, -1, f"not on the route (no route point within {ROUTE_MATCH_DIST_M:.1f} m and "
                         f"{ROUTE_MATCH_ANGLE_DEG:.0f} deg of its trigger), as the Leaderboard drops it"))
         if not out[-1].kept:

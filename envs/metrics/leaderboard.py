@@ -25,8 +25,9 @@ LB_INFRACTION_KEYS: dict[str, str] = {
     "timeout": "route_timeout",
     "off_road": "off_road",
     "min_speed": "min_speed_infractions",
+    "scenario_timeout": "scenario_timeouts",
 }
-LB_EMPTY_KEYS = ("yield_emergency_vehicle_infractions", "scenario_timeouts")
+LB_EMPTY_KEYS = ("yield_emergency_vehicle_infractions",)
 LB_RECORD_KEYS = (*LB_INFRACTION_KEYS.values(), *LB_EMPTY_KEYS)  # the infraction lists of every record
 FAILED_STATUS = {
     "route_deviation": "Failed - Agent deviated from the route",

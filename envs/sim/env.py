@@ -1,7 +1,7 @@
 """The simulator core: ``B`` environments stepped in one call on one torch device.
 
 A step is six named stages over the batched state (:mod:`envs.sim.state`), each done by a part or a short
-function: move (ego, actors, clock, lights) -> judge (:mod:`envs.sim.rules`: route progress, infractions, ends) ->
+function: move (ego, actors, clock, lights, route scenarios) -> judge (:mod:`envs.sim.rules`: route progress, infractions, ends) ->
 reward (:mod:`envs.sim.rewards`) -> record (:mod:`envs.sim.record`: episode statistics) -> reset (finished rows
 start again) -> observe (the observer part). Every stage is batched; nothing loops over environments or actors.
 Which parts fill the stages is the backend's choice: by default the built-in simulator's (kinematic bicycle, IDM
@@ -128,8 +128,9 @@ class SimEnv(BatchedEnv):
         action, s = self.checked_action(action), self.state
         self.ego.step(s, self.scenarios.control(s, action))
         self.actors.step(s, self.light_lookup(s))
-        self.scenarios.step(s)
-        judged = self.rules.judge(s, self.follow(s))
+        tracked = self.follow(s)
+        self.scenarios.step(s)  # after the route progress, as the Leaderboard's triggerer
+        judged = self.rules.judge(s, tracked)
         self.scenarios.record(s)
         for m in self.metrics:
             m.record(s)

@@ -9,11 +9,13 @@ lookup, the rules' judgement); a backend's own data (nuPlan's logs, CARLA's sess
 built. No part reaches another through the core.
 
 * fresh episodes for rows ``rows``: ``starts.pick`` -> ``starts.place`` -> ``ego.reset`` -> ``actors.reset`` ->
-  ``lights.reset`` -> ``reward.reset`` -> ``metrics.reset`` (the random draws of the built-in simulator follow this
+  ``scenarios.reset`` -> ``lights.reset`` -> ``reward.reset`` -> ``metrics.reset`` (the random draws of the built-in simulator follow this
   order);
-* a step: ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` -> ``rules.track`` ->
-  ``rules.judge`` -> ``metrics.record`` -> ``reward.reward`` -> episode statistics -> auto-reset of finished rows
-  -> ``actors.refresh`` -> ``observer.observe`` (``reset`` ends with it too).
+* a step: ``scenarios.control`` -> ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` ->
+  ``rules.track`` -> ``scenarios.step`` -> ``rules.judge`` -> ``scenarios.record`` -> ``metrics.record`` ->
+  ``reward.reward`` -> episode statistics -> auto-reset of finished rows -> ``actors.refresh`` ->
+  ``scenarios.refresh`` -> ``observer.observe`` (``reset`` ends with it too). The route scenarios
+  (:mod:`envs.sim.scenarios`) also answer every light lookup with their overrides.
 
 Every call is batched over the rows of the state it gets. Parts may keep their own per-row state in an extension of
 the state dataclass (``SimEnv(state_type=...)``, e.g. :class:`envs.nuplan.logs.NuplanState`), filled in ``reset``.

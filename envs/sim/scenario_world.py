@@ -236,6 +236,13 @@ class _RouteGeo:
     def walk(self, i: int, d: float) -> int:
         return int(min(np.searchsorted(self.cum, self.cum[i] + d - 1e-6), self.n - 1))
 
+    def point_at(self, i: int, d: float) -> tuple[np.ndarray, float]:
+        """The route's point ``d`` m after point ``i`` (interpolated; clamped at the route's end) and its heading."""
+        s = min(self.cum[i] + d, self.cum[-1])
+        k = int(min(max(np.searchsorted(self.cum, s) - 1, 0), self.n - 2))
+        t = (s - self.cum[k]) / max(self.cum[k + 1] - self.cum[k], 1e-9)
+        return self.pts[k] + (self.pts[k + 1] - self.pts[k]) * t, self.yaw(k)
+
     def yaw(self, i: int) -> float:
         a, b = (i, i + 1) if i + 1 < self.n else (i - 1, i)
         d = self.pts[b] - self.pts[a]
@@ -262,19 +269,21 @@ def _base(kind: int) -> dict:
                 actor_half=np.zeros(2), emergency=False, patch_idx=np.full(3, -1), patch_xy=np.zeros((3, 2)))
 
 
-def _sidewalk_actor(geo: _RouteGeo, roads: Roads, c: int, ahead: float, angle: float
-                    ) -> tuple[np.ndarray, np.ndarray, float]:
-    """A crossing actor on the right sidewalk abreast of route point ``c`` (``ahead`` m further on), facing the road
-    turned by ``angle``: (start, unit direction, lane yaw)."""
-    yaw = geo.yaw(c)
+def _sidewalk_actor(geo: _RouteGeo, roads: Roads, i: int, d: float, ahead: float, angle: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """A crossing actor on the right sidewalk abreast of C, ``d`` m after route point ``i`` (``ahead`` m further
+    on), facing the road turned by ``angle``: (C, start, unit direction, lane yaw)."""
+    c_xy, yaw = geo.point_at(i, d)
+    lane = int(geo.lanes[geo.walk(i, d)])
     fwd, right = np.array([math.cos(yaw), math.sin(yaw)]), np.array([math.sin(yaw), -math.cos(yaw)])
-    start = geo.pts[c] + fwd * ahead + right * (roads.kerb_offset(int(geo.lanes[c])) + SIDEWALK_M)
+    start = c_xy + fwd * ahead + right * (roads.kerb_offset(lane) + SIDEWALK_M)
     heading = yaw + math.pi / 2 + angle
-    return start, np.array([math.cos(heading), math.sin(heading)]), yaw
+    return c_xy, start, np.array([math.cos(heading), math.sin(heading)]), yaw
 
 
 def _crossing(start: np.ndarray, direction: np.ndarray, length: float) -> np.ndarray:
-    return np.stack([start, start + direction * length])
+    """A straight crossing path from ``start``, every metre."""
+    return dense_path(np.stack([start, start + direction * length]))[0]
 
 
 def dynamic_object_crossing(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int) -> dict:
@@ -286,13 +295,12 @@ def dynamic_object_crossing(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: in
     dist, angle = sd.value("distance", DOC_DISTANCE), sd.value("crossing_angle", 0.0)
     if abs(angle) > 90:
         raise ScenarioSkip(f"crossing_angle={angle}: must lie in [-90, 90]")
-    c = geo.walk(i, dist)
-    if geo.cum[c] - geo.cum[i] < dist - 1.0:
+    if geo.cum[-1] - geo.cum[i] < dist:
         raise ScenarioSkip(f"the route ends less than {dist:.0f} m after the trigger")
-    start, d, yaw = _sidewalk_actor(geo, roads, c, DOC_BLOCKER_HALF[0] + 0.5, math.radians(angle))
-    collision = math.sqrt(float(np.sum((start - geo.pts[c]) ** 2)) + WALKER_HEIGHT ** 2)
+    c, start, d, yaw = _sidewalk_actor(geo, roads, i, dist, DOC_BLOCKER_HALF[0] + 0.5, math.radians(angle))
+    collision = math.sqrt(float(np.sum((start - c) ** 2)) + WALKER_HEIGHT ** 2)
     out = _base(DOC)
-    out.update(c_xy=geo.pts[c], path=_crossing(start, d, 2 * collision), speed=DOC_SPEED,
+    out.update(c_xy=c, path=_crossing(start, d, 2 * collision), speed=DOC_SPEED,
                react=DOC_REACT + 0.1 * math.floor(angle / 5), min_dist=DOC_MIN_DIST, move_dist=2 * collision,
                end_after_m=DOC_END_M, blocker_on=True, actor_half=np.array([0.3, 0.3]),
                blocker_xy=start - np.array([math.cos(yaw), math.sin(yaw)]) * (DOC_BLOCKER_HALF[0] + 0.5),
@@ -400,13 +408,12 @@ def vehicle_turning_route(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int)
     """``VehicleTurningRoute``: a bicycle on the right sidewalk 11 m past the junction's exit, visible from the start,
     crossing at 1.8 m/s once the ego is < 1.8 s or < 6 m from C, for twice its distance to C."""
     _, j_out = geo.junction_after(i)
-    c = geo.walk(j_out, TURN_AFTER)
-    if geo.cum[c] - geo.cum[j_out] < TURN_AFTER - 1.0:
+    if geo.cum[-1] - geo.cum[j_out] < TURN_AFTER:
         raise ScenarioSkip("the route ends less than 11 m after the junction")
-    start, d, _ = _sidewalk_actor(geo, roads, c, 0.0, 0.0)
-    dist = 2 * math.sqrt(float(np.sum((start - geo.pts[c]) ** 2)) + 0.2 ** 2)
+    c, start, d, _ = _sidewalk_actor(geo, roads, j_out, TURN_AFTER, 0.0, 0.0)
+    dist = 2 * math.sqrt(float(np.sum((start - c) ** 2)) + 0.2 ** 2)
     out = _base(TURN)
-    out.update(c_xy=geo.pts[c], path=_crossing(start, d, dist), speed=TURN_SPEED, react=TURN_REACT,
+    out.update(c_xy=c, path=_crossing(start, d, dist), speed=TURN_SPEED, react=TURN_REACT,
                min_dist=TURN_MIN_DIST, move_dist=dist, end_after_m=TURN_END_M, show_early=True,
                actor_half=np.array(BICYCLE_HALF))
     return out
@@ -414,7 +421,7 @@ def vehicle_turning_route(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int)
 
 def place_scenario(rs: RouteScenario, geo: _RouteGeo, roads: Roads, rng: np.random.Generator) -> dict:
     """The tables' row of one kept scenario (raises :class:`ScenarioSkip`)."""
-    kind, i = SCENARIO_TYPES.index(rs.defn.type), rs.index
+    kind, i = SCENARIO_TYPES.index(rs.defn.type), max(rs.nearest, rs.index)
     if kind == DOC:
         row = dynamic_object_crossing(rs.defn, geo, roads, i)
     elif kind == LOSS:
@@ -425,7 +432,7 @@ def place_scenario(rs: RouteScenario, geo: _RouteGeo, roads: Roads, rng: np.rand
         row = opposite_vehicle_running_red_light(rs.defn, geo, roads, i)
     else:
         row = vehicle_turning_route(rs.defn, geo, roads, i)
-    row.update(act_first=i, act_last=max(rs.last, i))
+    row.update(act_first=rs.index, act_last=max(rs.last, rs.index))
     return row
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from envs.maps.scenarios import SCENARIO_TYPES
-from envs.sim.agents import LIGHT_EMERGENCY, sizes
+from envs.sim.agents import LIGHT_EMERGENCY, corridor_gap, idm_accel, sizes
 from envs.sim.infractions import INFRACTIONS
 from envs.sim.parts import Part
 from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
@@ -28,7 +28,6 @@ PENDING, LIVE, DONE = 0, 1, 2
 OUTCOMES = ("triggered", "passed", "collided", "timed_out", "preempted", "not_reached")
 LOSS_NOISE = ((0.055, 0.015), (0.03, 0.01))  # (mean, std) of the steer and throttle noise per 20 Hz tick
 LB_TICK = 0.05  # s: the Leaderboard's tick, at which ControlLoss draws its noise
-FLOW_BRAKE = 4.0  # m/s^2: a junction flow brakes to a stop after a collision (CARLA: it starts to drive with care)
 COAST = 1.2  # m/s^2: the emergency vehicle coasts after a collision (empty controls)
 COLLISIONS = [INFRACTIONS.index(k) for k in ("collision_vehicle", "collision_pedestrian", "collision_static")]
 
@@ -119,6 +118,7 @@ class RouteScenarios(Part):
         c.moving |= start & (tab.react[c.scn] > 0)
         if activate:
             self._move(s, g, live_g, dt, route_m)
+        self._show_singles(c, g, live_g)
         self._end(s, route_m)
         self._write(s, self._group_scenario(c))
 
@@ -170,8 +170,9 @@ class RouteScenarios(Part):
         flow = live_g & is_flow  # [B,G]
         collided = self._group_flag(c, c.collided)
         moving = self._group_flag(c, c.moving)
-        brake = torch.where(is_flow, FLOW_BRAKE, COAST)
-        c.act_v = torch.where(collided.unsqueeze(-1), (c.act_v - brake.unsqueeze(-1) * dt).clamp(min=0.0), c.act_v)
+        c.act_v = torch.where((collided & ~is_flow).unsqueeze(-1), (c.act_v - COAST * dt).clamp(min=0.0), c.act_v)
+        careful = (collided & is_flow).unsqueeze(-1)
+        c.act_v = torch.where(careful, self._careful_speed(s, g, dt), c.act_v)
         go = c.act_alive & (flow | moving).unsqueeze(-1)
         c.act_s = torch.where(go, c.act_s + c.act_v * dt, c.act_s)
         # single actors (slot 0): shown from activation (or from the start: the cyclist) until they have moved
@@ -203,11 +204,28 @@ class RouteScenarios(Part):
         c.act_v = torch.where(new, tab.speed[g].unsqueeze(-1), c.act_v)
         redraw = first | spawn
         c.next_gap = torch.where(redraw, gaps[..., 0], c.next_gap)
-        # the single actors appear: at activation (the cyclist before, standing)
+
+    def _show_singles(self, c: ScenarioState, g: Tensor, live_g: Tensor) -> None:
+        """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""
+        tab = self.tab
+        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
         single = ~is_flow & (tab.group[g] >= 0) & ~self._group_flag(c, (c.fin_m < math.inf) | c.collided)
         show = single & (live_g | (tab.show_early[g] & (self._group_status(c) == PENDING)))
         c.act_alive[..., 0] = torch.where(single & ~c.act_alive[..., 0] & (c.act_s[..., 0] == 0), show,
                                           c.act_alive[..., 0])
+
+    def _careful_speed(self, s: SimState, g: Tensor, dt: float) -> Tensor:
+        """A flow after a collision (``ActorFlow``: its cars stop ignoring vehicles): IDM towards the flow's speed,
+        behind the ego when it is in their way."""
+        c, st = s.scn, self.setup
+        B, G, F = c.act_s.shape
+        xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
+        ego = (s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1), st.ego_half.unsqueeze(1),
+               torch.ones(B, 1, dtype=torch.bool, device=st.device))
+        gap, lead_v, _ = corridor_gap(xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2), *ego)
+        v = c.act_v.view(B, G * F)
+        acc = idm_accel(v, self.tab.speed[g].unsqueeze(-1).expand_as(c.act_v).reshape(B, G * F), gap, v - lead_v)
+        return (v + acc * dt).clamp(min=0.0).view(B, G, F)
 
     def _scatter_k(self, c: ScenarioState, per_group: Tensor) -> Tensor:
         """A [B,G] flag of the groups' scenarios as a [B,K] flag."""

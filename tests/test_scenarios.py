@@ -1,0 +1,303 @@
+"""Route scenarios in the simulator (envs/sim/scenarios.py), one test per behaviour, with expectations computed here
+from the Leaderboard's rules (../shared/docs/scenarios.md §3) on a hand-built map: a 4-way junction at the origin
+with 120 m arms, one 3.5 m lane per direction (right-hand traffic), lights on every approach (E-W phase 0, N-S
+phase 1). The ego drives from the west end eastwards."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
+from envs.maps.routes import plan_route
+from envs.maps.scenarios import ScenarioDef, scenarios_on_route
+from envs.sim.agents import LIGHT_EMERGENCY
+from envs.sim.config import SimConfig
+from envs.sim.env import SimEnv
+from envs.sim.scenarios import DONE, LIVE
+from envs.sim.world import build_world
+
+HALF, ARM, OFF, WIDTH = 8.0, 120.0, 1.75, 3.5
+DIRS = {"E": (1.0, 0.0), "N": (0.0, 1.0), "W": (-1.0, 0.0), "S": (0.0, -1.0)}
+PHASE = {"E": 0, "W": 0, "N": 1, "S": 1}
+
+
+def _bezier(p0: np.ndarray, u0: np.ndarray, p2: np.ndarray, u2: np.ndarray) -> np.ndarray:
+    m = np.stack([u0, u2], axis=1)
+    c = 0.5 * (p0 + p2) if abs(np.linalg.det(m)) < 1e-9 else p0 + np.linalg.solve(m, p2 - p0)[0] * u0
+    t = np.linspace(0.0, 1.0, 25)[:, None]
+    return (1 - t) ** 2 * p0 + 2 * (1 - t) * t * c + t ** 2 * p2
+
+
+def junction_map() -> LaneGraph:
+    lanes, ids, stops = [], {}, []
+    for k, d in DIRS.items():
+        d = np.array(d)
+        r = np.array([d[1], -d[0]])
+        ids[f"out_{k}"] = len(lanes)
+        lanes.append(Lane(points=np.stack([d * HALF + r * OFF, d * (HALF + ARM) + r * OFF]), width=WIDTH))
+        ids[f"in_{k}"] = len(lanes)
+        lanes.append(Lane(points=np.stack([d * (HALF + ARM) - r * OFF, d * HALF - r * OFF]), width=WIDTH))
+        stops.append(StopLine(lane=ids[f"in_{k}"], control=CONTROL_LIGHT, light_group=len(stops)))
+    for a, da in DIRS.items():
+        for b, db in DIRS.items():
+            if a != b:
+                da_, db_ = np.array(da), np.array(db)
+                ra, rb = np.array([da_[1], -da_[0]]), np.array([db_[1], -db_[0]])
+                pts = _bezier(da_ * HALF - ra * OFF, -da_, db_ * HALF + rb * OFF, db_)
+                lanes[ids[f"in_{a}"]].successors.append(len(lanes))
+                lanes.append(Lane(points=pts, is_junction=True, junction=0, successors=[ids[f"out_{b}"]], width=WIDTH))
+    groups = [LightGroup(junction=0, phase=PHASE[k], num_phases=2) for k in DIRS]
+    return LaneGraph.build("junction", lanes, stops, groups)
+
+
+def env_with(kind: str, to: str = "E", num_envs: int = 1, dt: float = 0.1, **params: str) -> SimEnv:
+    """An env whose one route (west end -> ``to``) carries one scenario of ``kind`` triggered 30 m before the
+    junction box (at x = -38)."""
+    graph = junction_map()
+    end = {"E": (HALF + ARM - 5, -OFF), "N": (OFF, HALF + ARM - 5), "S": (-OFF, -HALF - ARM + 5)}[to]
+    route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], end]), name="r")
+    sd = ScenarioDef(kind, kind, (-38.0, -OFF), 0.0, {k: {"value": v} for k, v in params.items()})
+    route.scenarios = tuple(scenarios_on_route([sd], route.points, "r"))
+    cfg = SimConfig(traffic=False, rules="leaderboard", bev=False, dt=dt).validate()
+    world = build_world(graph, [route], cfg, torch.device("cpu"))
+    assert world.route_scenarios[0][0].kept, world.route_scenarios[0][0].reason
+    env = SimEnv(cfg, num_envs, world=world)
+    env.reset()
+    return env
+
+
+def place_in_trigger_circle(env: SimEnv, speed: float = 0.0) -> None:
+    """Put the ego (standing) at the trigger circle's first route point, its route trackers with it."""
+    s, first = env.state, int(env.world.scn.act_first[0])
+    s.ego_xy[0] = env.world.route_pts[0, first]
+    s.route_idx[0] = s.crit.dev_idx[0] = first
+    s.ego_speed[0] = speed
+
+
+def drive(env: SimEnv, speed: float, steps: int, brake_at_x: float | None = None, record=None) -> dict:  # noqa: ANN001
+    """Hold ``speed`` (set on the state: a policy with perfect speed control), steering by pure pursuit; brake to a
+    stop once the ego passes ``brake_at_x``. Returns the last step's info."""
+    from envs.sim.expert import Expert
+
+    steer = Expert(env).steer
+    info = {}
+    for _ in range(steps):
+        s = env.state
+        stop = brake_at_x is not None and bool(s.ego_xy[0, 0] > brake_at_x)
+        if not stop:
+            s.ego_speed = torch.full_like(s.ego_speed, speed)
+        lon = torch.full((env.num_envs,), -1.0 if stop else 0.0)
+        res = env.step(torch.stack((steer(s), lon), -1))
+        info = res.info
+        if record is not None:
+            record(env.state, res.info)
+    return info
+
+
+def test_a_scenario_activates_once_in_its_trigger_circle() -> None:
+    """Trigger (-38, -1.75) on a route of 1 m points along y = -1.75: the first point closer than 2 m lies at
+    x = -39.x (2 m before), so the scenario goes live at the first step whose route index reaches it, and never again."""
+    env = env_with("ControlLoss")
+    w, s = env.world, env.state
+    first = int(w.scn.act_first[0])
+    assert float(w.route_pts[0, first, 0]) == pytest.approx(-38.0 - 2.0, abs=1.0)
+    assert (w.route_pts[0, first] - torch.tensor([-38.0, -OFF])).norm() < 2.0
+    assert (w.route_pts[0, first - 1] - torch.tensor([-38.0, -OFF])).norm() >= 2.0
+    seen = []
+    drive(env, 8.0, 270, record=lambda s, info: seen.append((int(s.route_idx[0]), int(s.scn.status[0, 0]))))
+    live_from = next(k for k, (_, st) in enumerate(seen) if st >= LIVE)
+    assert seen[live_from - 1][0] < first <= seen[live_from][0]
+    # ends 110 m after activation, and never fires again (done until the episode ends)
+    statuses = [st for _, st in seen[live_from:]]
+    assert DONE in statuses and statuses[statuses.index(DONE):] == [DONE] * (len(statuses) - statuses.index(DONE))
+    assert float(env.state.scn.act_m[0, 0]) == pytest.approx(float(w.route_cum[0, seen[live_from][0]]))
+
+
+def test_the_pedestrian_waits_for_the_start_rule_and_walks_at_2_m_s() -> None:
+    """C = trigger + 12 m = (-26, -1.75); the pedestrian stands 1 m further on, on the sidewalk: 1.75 m (half the
+    lane) + 1 m beyond the kerb, i.e. at (-25, -4.5), facing +y. It starts when the ego is < 2.1 s or < 6 m from
+    C, then moves 0.2 m per 0.1 s step."""
+    env = env_with("DynamicObjectCrossing")
+    ped0 = env.scenarios.ped0
+    track = []
+    drive(env, 4.0, 280, record=lambda s, info: track.append((
+        s.ego_xy[0].clone(), bool(s.scn.status[0, 0] >= LIVE), bool(s.ped.valid[0, ped0]), s.ped.xy[0, ped0].clone(),
+        float(s.ego_speed[0]))))
+    shown = [k for k, (_, live, valid, _, _) in enumerate(track) if valid]
+    assert shown and all(track[k][1] for k in shown)  # visible only once live
+    assert track[shown[0]][3].tolist() == pytest.approx([-25.0, -4.5], abs=1e-4)
+    c = torch.tensor([-26.0, -OFF])
+    moved = [k for k in shown if track[k][3][1] > -4.5 + 1e-4]
+    k0 = moved[0]
+    # the start rule holds at the step it moves first (it moves in the step it starts), not at the one before
+    d, v = float((track[k0][0] - c).norm()), track[k0][4]
+    assert d / v < 2.1 or d < 6.0
+    d, v = float((track[k0 - 1][0] - c).norm()), track[k0 - 1][4]
+    assert not (d / v < 2.1 or d < 6.0)
+    assert float(track[k0 + 5][3][1] - track[k0][3][1]) == pytest.approx(5 * 0.2, abs=1e-4)
+    assert float(track[k0 + 5][3][0]) == pytest.approx(-25.0, abs=1e-4)
+
+
+def test_driving_on_at_constant_speed_hits_the_pedestrian_and_stopping_does_not() -> None:
+    """At 8 m/s the ego enters the trigger circle ~13.5 m before C (x = -39.5), within 2.1 s x 8 m/s = 16.8 m, so
+    the pedestrian starts at once. Its box reaches the ego's lane half (y > -2.8) after (4.5 - 0.3 - 2.8) / 2 = 0.7 s
+    and leaves it (y > -0.7) after (4.5 + 0.3 - 0.7) / 2 = 2.05 s; the ego's front reaches x = -25.3 after
+    (-25.3 + 39.5 - 2.45) / 8 = 1.47 s and its back passes x = -24.7 after (-24.7 + 39.5 + 2.45) / 8 = 2.16 s: they
+    meet. Braking at full 8 m/s² from x = -40 stops it within 4 m, 11 m before the pedestrian's line."""
+    on = drive(env_with("DynamicObjectCrossing"), 8.0, 140)
+    assert on["episode/infractions/collision_pedestrian"][0] == 1
+    assert on["episode/scenarios/DynamicObjectCrossing/collided"][0] == 1
+    stop = drive(env_with("DynamicObjectCrossing"), 8.0, 140, brake_at_x=-40.0)
+    assert stop["episode/infractions/collision_pedestrian"][0] == 0
+    assert stop["episode/scenarios/DynamicObjectCrossing/triggered"][0] == 1
+
+
+def test_the_left_turn_stream_keeps_its_speed_and_gaps_and_the_lights_are_forced() -> None:
+    """SignalizedJunctionLeftTurn: cars from the opposite (east) approach at 20 m/s = 2 m per step, the next one
+    entering once the last is U(25, 50) m from the source (so 25-52 m apart: the last one moves 2 m per step);
+    ego light red for 5 s from activation then green, the stream's green, the others (N, S) red."""
+    env = env_with("SignalizedJunctionLeftTurn", to="N")
+    groups = torch.arange(4).unsqueeze(0)  # E, N, W, S approaches (stop line k has light group k)
+    a0 = env.scenarios.veh0
+    log = []
+    place_in_trigger_circle(env)
+    for _ in range(120):
+        res = env.step(torch.tensor([[0.0, -1.0]]))
+        s = env.state
+        log.append((float(s.t[0] - s.scn.t_act[0]), env.light_lookup(s)(groups)[0][0].tolist(),
+                    s.veh.xy[0, a0:a0 + 8].clone(), s.veh.valid[0, a0:a0 + 8].clone(), s.veh.speed[0, a0:a0 + 8]))
+    assert res.info["episode/scenarios/SignalizedJunctionLeftTurn/triggered"][0] == 1
+    for since, lights, _, _, _ in log:
+        ego_red = since < 5.0 - 1e-6
+        assert lights == [0, 2, 2 if ego_red else 0, 2], (since, lights)  # E (stream) green, W (ego), N, S red
+    xs = [x[v][:, 0] for _, _, x, v, _ in log]
+    spd = [sp[v] for _, _, _, v, sp in log]
+    assert all(torch.allclose(v, torch.full_like(v, 20.0)) for v in spd)
+    # cars move 2 m per step towards -x; spacing between neighbours in the stream
+    gaps = [float(g) for x in xs[60:] for g in (x.sort().values.diff()) if float(g) < 60]
+    assert gaps and min(gaps) > 25.0 - 1e-3 and max(gaps) <= 52.0 + 1e-3
+    first = xs[0].max()
+    assert float(first) == pytest.approx(HALF + 80.0, abs=2.5)  # the source: 4 v = 80 m before the junction
+
+
+def test_the_right_turn_stream_starts_filled_outside_the_junction() -> None:
+    """SignalizedJunctionRightTurn: from the ego's left (the north approach, southbound), 100 m before to 60 m past
+    the junction; pre-filled every U(25, 50) m except inside the box (|y| < 8)."""
+    env = env_with("SignalizedJunctionRightTurn", to="S")
+    place_in_trigger_circle(env)
+    env.step(torch.tensor([[0.0, -1.0]]))
+    a0 = env.scenarios.veh0
+    s = env.state
+    ys = s.veh.xy[0, a0:a0 + 8][s.veh.valid[0, a0:a0 + 8]]
+    assert len(ys) >= 3
+    assert torch.allclose(ys[:, 0], torch.full_like(ys[:, 0], -OFF), atol=1e-3)  # the southbound lane
+    y = ys[:, 1].sort(descending=True).values
+    assert float(y[0]) <= HALF + 100.0 + 1e-3 and not ((y.abs() < HALF - 0.5).any())
+    gaps = -y.diff()
+    assert (gaps > 25.0 - 2.1).all()  # each 25-50 m, or more across the skipped junction box
+
+
+def test_control_loss_noise_magnitudes() -> None:
+    """While the ego is within 2 m of a debris patch: steer += N(±0.055, 0.015), throttle += N(±0.03, 0.01) per
+    20 Hz tick; at the 10 Hz step two ticks averaged: std / sqrt(2). Away from the patches nothing changes."""
+    n = 4000
+    env = env_with("ControlLoss", num_envs=n)
+    s = env.state
+    s.scn.status[:] = LIVE
+    patch = env.world.scn.patch_xy[0, 0]
+    assert patch.tolist() == pytest.approx([-38.0 + 14.0, -OFF], abs=1e-3)  # 14 m on from the trigger's waypoint
+    action = torch.tensor([0.0, 0.5]).expand(n, 2)
+    s.ego_xy[:] = patch + torch.tensor([0.5, 0.0])
+    out = env.scenarios.control(s, action)
+    dsteer, dthrottle = out[:, 0], out[:, 1] - 0.5
+    assert float(dsteer.abs().mean()) == pytest.approx(0.055, abs=0.002)
+    assert float((dsteer.abs() - 0.055).std()) == pytest.approx(0.015 / math.sqrt(2), rel=0.08)
+    assert float(dthrottle.abs().mean()) == pytest.approx(0.03, abs=0.002)
+    assert float((dthrottle.abs() - 0.03).std()) == pytest.approx(0.01 / math.sqrt(2), rel=0.08)
+    assert 0.4 < float((dsteer > 0).float().mean()) < 0.6  # one sign per patch and row, 50/50
+    s.ego_xy[:] = patch + torch.tensor([3.0, 0.0])  # left the patch: no noise, and the next patch is due
+    assert torch.equal(env.scenarios.control(s, action), action)
+    assert (s.scn.patch[:, 0] == 1).all()
+
+
+def test_a_scenario_timeout_is_scored_0_7_and_pauses_the_blocked_rule() -> None:
+    """An ego that never turns across the stream: after 240 s the left turn ends as a timeout (x0.7, the route's
+    only infraction) and its stream is removed; the blocked rule (180 s) does not fire while the timeout runs."""
+    env = env_with("SignalizedJunctionLeftTurn", to="N", dt=0.5)  # 0.5 s steps: the same rules, fewer steps
+    place_in_trigger_circle(env)
+    info = {}
+    for _ in range(490):
+        info = env.step(torch.tensor([[0.0, -1.0]])).info
+        if env.state.scn.timed_out[0, 0]:
+            break
+    s = env.state
+    assert bool(s.scn.timed_out[0, 0]) and float(s.t[0] - s.scn.t_act[0]) == pytest.approx(240.0, abs=0.51)
+    assert not info["done"][0]  # not blocked at 180 s
+    assert info["episode/infractions/scenario_timeout"][0] == 1
+    assert float(info["episode/infraction_score"][0]) == pytest.approx(0.7)
+    assert not s.veh.valid[0, env.scenarios.veh0:].any()
+
+
+def test_the_emergency_vehicle_runs_its_red_at_60_kmh_across_the_egos_green() -> None:
+    """OppositeVehicleRunningRedLight: hidden until activation, then 30 m up the south approach with emergency
+    lights; it starts when the ego is < 2.2 s or < 12 m from the crossing point C = (1.75, -1.75) (the ego's lane
+    line meets the northbound one) and drives north at 16.67 m/s; the ego's light is green, every other light of
+    the junction red. The ego brakes at x = -12 and stops short of the EV's lane."""
+    env = env_with("OppositeVehicleRunningRedLight")
+    ev = env.scenarios.veh0 + 8  # the first single-vehicle slot
+    assert not env.state.veh.valid[0, ev]
+    place_in_trigger_circle(env, 5.0)
+    track = []
+    drive(env, 5.0, 90, brake_at_x=-12.0, record=lambda s, info: track.append(
+        (s.ego_xy[0].clone(), bool(s.veh.valid[0, ev]), s.veh.xy[0, ev].clone(), float(s.veh.speed[0, ev]),
+         env.light_lookup(s)(torch.arange(4).unsqueeze(0))[0][0].tolist(), int(s.veh.lights[0, ev]),
+         float(s.ego_speed[0]))))
+    shown = [k for k, t in enumerate(track) if t[1]]
+    assert track[shown[0]][2].tolist() == pytest.approx([OFF, -HALF - 30.0], abs=1.1)
+    assert all(track[k][5] & LIGHT_EMERGENCY for k in shown)
+    assert track[shown[0]][4] == [2, 2, 0, 2]  # W (ego) green, the rest red
+    moved = [k for k in shown if track[k][2][1] > track[shown[0]][2][1] + 1e-3]
+    k0 = moved[0]
+    # the rule holds at the step it moves first (it moves in the step it starts), not at the one before
+    d, v = float((track[k0][0] - torch.tensor([OFF, -OFF])).norm()), track[k0][6]
+    assert d / v < 2.2 or d < 12.0
+    d, v = float((track[k0 - 1][0] - torch.tensor([OFF, -OFF])).norm()), track[k0 - 1][6]
+    assert not (d / v < 2.2 or d < 12.0)
+    assert float(track[k0 + 3][2][1] - track[k0][2][1]) == pytest.approx(3 * 60 / 3.6 * 0.1, abs=1e-3)
+
+
+def test_the_cyclist_stands_visible_before_activation() -> None:
+    """VehicleTurningRoute: a bicycle on the right sidewalk 11 m after the junction's exit (on the southbound exit
+    after a right turn: the exit begins at y = -8, so C = (-1.75, -19) and the cyclist stands 2.75 m to the right
+    of the lane, at x = -4.5), there from the episode's start, facing the road."""
+    env = env_with("VehicleTurningRoute", to="S")
+    slot = env.scenarios.veh0 + 8
+    s = env.state
+    assert bool(s.veh.valid[0, slot]) and int(s.scn.status[0, 0]) == 0
+    # the route's first 1 m point out of the junction (within a point spacing of the lane's start at y = -8)
+    junction = env.world.route_junction[0]
+    exit_k = int(torch.nonzero(junction).max()) + 1
+    y_exit = float(env.world.route_pts[0, exit_k, 1])
+    assert -HALF - 1.5 < y_exit <= -HALF
+    assert s.veh.xy[0, slot].tolist() == pytest.approx([-OFF - OFF - 1.0, y_exit - 11.0], abs=0.05)
+    assert float(s.veh.yaw[0, slot]) == pytest.approx(0.0, abs=0.05)  # towards the road (east, here)
+
+
+def test_scenarios_that_cannot_be_placed_are_skipped_with_a_reason() -> None:
+    """A right turn needs a junction after its trigger: on a route that ends before the junction it is skipped,
+    named, with the reason; the env runs without it."""
+    graph = junction_map()
+    route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [-HALF - 20, -OFF]]), name="short")
+    sd = ScenarioDef("R_1", "SignalizedJunctionRightTurn", (-60.0, -OFF), 0.0)
+    route.scenarios = tuple(scenarios_on_route([sd], route.points, "short"))
+    cfg = SimConfig(traffic=False, bev=False).validate()
+    world = build_world(graph, [route], cfg, torch.device("cpu"))
+    (placed,) = world.route_scenarios[0]
+    assert not placed.kept and "no junction on the route after its trigger" in placed.reason
+    assert not world.has_scenarios
+    env = SimEnv(cfg, 1, world=world)
+    env.reset()
+    env.step(torch.zeros(1, 2))
