@@ -11,6 +11,11 @@ a 10x128x128 BEV; H200 >= 1,000,000 without BEV and >= 100,000 with 10x256x256.
 ``--worlds``: ``procedural`` (the default: two procedural towns), a CARLA town or map file (one map), or ``all``
 (Town01-07, Town10HD and the procedural towns in one multi-map world). Target (issue 12): the ``all`` world's
 ms_per_step within 20 % of a single town's at the same batch. Each line carries the world's build time and size.
+
+    python scripts/bench_sim.py --batches 256 --scenario-densities 0 7.4   # route scenarios off and at longest6's
+
+``--scenario-densities``: scenarios per km on the random routes (``env.options.scenario_density``; longest6 v2 carries
+7.4). Target (issue 23): ms_per_step with scenarios within 15 % of the same run without them.
 """
 from __future__ import annotations
 
@@ -53,8 +58,9 @@ def world_mb(env) -> float:
 
 
 def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic: bool,
-          world: str = "procedural") -> dict:
-    options = dict(bev=bev_size is not None, traffic=traffic, num_routes=256, **world_options(world))
+          world: str = "procedural", scenario_density: float = 0.0) -> dict:
+    options = dict(bev=bev_size is not None, traffic=traffic, num_routes=256, scenario_density=scenario_density,
+                   **world_options(world))
     if bev_size is not None:
         options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
     t_load = time.perf_counter()
@@ -78,7 +84,8 @@ def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic
     return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
             "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
-            "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env)}
+            "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
+            "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum())}
 
 
 def bench_highway_env(seconds: float) -> dict | None:
@@ -108,6 +115,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-traffic", action="store_true")
+    p.add_argument("--scenario-densities", type=float, nargs="*", default=[0.0],
+                   help="route scenarios per km on the random routes (0: none)")
     p.add_argument("--worlds", nargs="*", default=["procedural"],
                    help="procedural | a town or map file | all (8 towns + procedural in one world)")
     args = p.parse_args()
@@ -121,9 +130,10 @@ def main() -> None:
             for batch in batches:
                 if bev is not None and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
                     continue  # observation alone would not fit
-                r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world)
-                results.append(r)
-                print(json.dumps(r), flush=True)
+                for density in args.scenario_densities:
+                    r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world, density)
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
     ref = bench_highway_env(args.seconds)
     if ref is not None:
         ours = next((r for r in results if r["batch"] == 1 and r["bev"] == "none"), None)

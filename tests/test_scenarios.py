@@ -301,3 +301,25 @@ def test_scenarios_that_cannot_be_placed_are_skipped_with_a_reason() -> None:
     env = SimEnv(cfg, 1, world=world)
     env.reset()
     env.step(torch.zeros(1, 2))
+
+
+def test_training_routes_carry_scenarios_where_each_type_can_be_played() -> None:
+    """Random routes: Poisson(density x km) scenarios; a left turn only before a lit junction the route turns left
+    at, 15-40 m ahead of it; none on a route that goes straight on."""
+    from envs.sim.scenario_world import random_route_scenarios
+
+    graph = junction_map()
+    left = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [OFF, HALF + ARM - 5]]), name="left")
+    straight = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [HALF + ARM - 5, -OFF]]), name="straight")
+    only_left = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+    rng = np.random.default_rng(0)
+    placed = random_route_scenarios(graph, left, 40.0, only_left, rng)
+    assert len(placed) >= 3 and all(p.kept and p.defn.type == "SignalizedJunctionLeftTurn" for p in placed)
+    entry = int(np.argmax(graph.is_junction[left.lanes]))
+    cum = left.cumulative()
+    assert all(15.0 - 1.5 <= cum[entry] - cum[p.nearest] <= 40.0 + 1.5 for p in placed)
+    assert random_route_scenarios(graph, straight, 40.0, only_left, rng) == ()
+    # every type: the count follows the density (Poisson mean 40/km x 0.25 km = 10 per route; 60 routes)
+    counts = [len(random_route_scenarios(graph, straight, 40.0, (1.0, 0.0, 1.0, 0.0, 0.0, 0.0), rng))
+              for _ in range(60)]
+    assert np.mean(counts) == pytest.approx(40.0 * straight.length / 1000.0, rel=0.15)

@@ -274,8 +274,9 @@ def spawn_pedestrians(world: World, num_envs: int, num: int, near: Tensor, gen: 
     dev = world.device
     C = world.crosswalks.shape[0]
     if C == 0 or num == 0:
-        z = torch.zeros(num_envs, num, device=dev)
-        return Pedestrians(z.long(), z, z + 1, z, z, z.bool(), torch.zeros(num_envs, num, 2, device=dev), z, z.bool())
+        z = lambda: torch.zeros(num_envs, num, device=dev)  # noqa: E731 - one tensor per field: fields are written
+        return Pedestrians(z().long(), z(), z() + 1, z(), z(), z().bool(), torch.zeros(num_envs, num, 2, device=dev), z(),
+                           z().bool())
     centres = world.crosswalks.mean(-2)  # [C,2]
     d = (near.unsqueeze(-2) - centres).norm(dim=-1)  # [B,P,C]
     cw = d.argmin(-1)

@@ -137,8 +137,8 @@ class Expert:
         swept = ((path.unsqueeze(2).unsqueeze(3) - actor_at.unsqueeze(1)).norm(dim=-1)
                  < clearance.unsqueeze(1).unsqueeze(-1)).any(-1) & relevant.unsqueeze(1)  # [B,K,N]
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
-        committed = first < 0.5
-        return torch.where(committed, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - 2.0)
+        ignore = (first < 0.5) | (first >= 1e3)  # committed, or nothing to yield to
+        return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - 2.0)
 
     def stop_line_gap(self, s) -> Tensor:  # noqa: ANN001 - SimState
         """Distance to aim at for the next stop line the ego must stop at (red, a yellow it can stop for, a stop
