@@ -360,3 +360,73 @@ def test_braking_background_vehicle_shows_its_brake_light(standin) -> None:
     assert r["braking_lit"] >= 3 and r["lit_rows"] >= 1, r
     assert r["braking_dark"] <= 1, r  # the TM's light command may trail its first hard-brake control by one tick
     assert r["dtype"] == "torch.int32"
+
+
+SCENARIOS = """
+    import json, sys, torch, carla
+    from envs.carla.config import split_options
+    from envs.carla.worker import build_carla_env
+    from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
+    from envs.sim.scenario_world import DOC, RIGHT
+    rpc, tm, routes = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    cc, sc = split_options(dict(town="Town01", traffic_vehicles=0, traffic_pedestrians=0, bev_size=32, bev_ppm=1.0,
+                                bev_ego_from_bottom=10, route_file=routes, rules="leaderboard", first_route=0))
+    w = build_carla_env(cc, sc, rpc, tm, seed=0)
+    w.reset(seed=0)
+    s, tab = w.state, w.world.scn
+    row = tab.route_scn[int(s.route_id[0])]
+    out = {}
+
+    def go_to(kind):
+        g = int(next(int(x) for x in row if x >= 0 and int(tab.type[x]) == kind))
+        k = int(tab.act_first[g])
+        xy = w.world.route_pts[int(s.route_id[0]), k]
+        d = w.world.route_pts[int(s.route_id[0]), k + 1] - xy
+        x, y = world_to_carla(float(xy[0]), float(xy[1]))
+        yaw = float(world_yaw_to_carla(float(torch.atan2(d[1], d[0]))))
+        w.actors.tracked.ego.set_transform(carla.Transform(carla.Location(x=x, y=y, z=0.5), carla.Rotation(yaw=yaw)))
+        w.state.route_idx[0] = w.state.crit.dev_idx[0] = k
+        return g
+
+    def server(prefix):
+        return [(a.type_id, a.get_transform()) for a in w.data.cworld.get_actors() if a.type_id.startswith(prefix)]
+
+    go_to(DOC)
+    for _ in range(3):
+        w.step(torch.tensor([[0.0, -1.0]]))
+    s = w.state
+    walkers, props = server("walker."), server("static.prop.")
+    p0, o0 = w.scenarios.ped0, w.scenarios.sta0
+    out["walkers"] = [[t.location.x, -t.location.y] for _, t in walkers]
+    out["props"] = [[t.location.x, -t.location.y] for _, t in props]
+    out["state_walker"] = s.ped.xy[0, p0].tolist() if bool(s.ped.valid[0, p0]) else None
+    out["state_prop"] = s.statics.xy[0, o0].tolist() if bool(s.statics.valid[0, o0]) else None
+    g = go_to(RIGHT)
+    for _ in range(2):  # the cars spawned after one tick are in the world's actor list after the next
+        w.step(torch.tensor([[0.0, -1.0]]))
+    ego_group = int(tab.light_ego[g])
+    light = w.data.lights.actors[int(w.data.lights.group_light[ego_group])]
+    out["ego_light_red"] = str(light.get_state())
+    out["flow_cars"] = len(server("vehicle.")) - 1  # the ego is a vehicle too
+    out["state_flow_cars"] = int(w.state.veh.valid[0, w.scenarios.veh0:w.scenarios.veh0 + 8].sum())
+    for _ in range(60):
+        w.step(torch.tensor([[0.0, -1.0]]))
+    out["ego_light_after_5s"] = str(w.data.lights.actors[int(w.data.lights.group_light[ego_group])].get_state())
+    w.close()
+    print(json.dumps(out))
+"""
+
+
+def test_route_scenarios_play_on_the_server(standin) -> None:
+    """longest6 route 0 (Town01) with its scenarios through the real client: the pedestrian and its blocker of a
+    DynamicObjectCrossing stand on the server where the state has them; a right turn's flow cars are server
+    vehicles, and the ego's light is held red for 5 s, then green."""
+    routes = "/work/shared/data/carla/routes/longest6_v2.xml"
+    if not Path(routes).is_file():
+        pytest.skip("longest6 route file not available")
+    r = run_script(SCENARIOS, str(standin.ports.rpc), str(standin.ports.tm), routes, timeout=300)
+    assert r["state_walker"] is not None and r["state_prop"] is not None
+    assert any(abs(x - r["state_walker"][0]) < 0.05 and abs(y - r["state_walker"][1]) < 0.05 for x, y in r["walkers"])
+    assert any(abs(x - r["state_prop"][0]) < 0.05 and abs(y - r["state_prop"][1]) < 0.05 for x, y in r["props"])
+    assert r["ego_light_red"] == "Red" and r["ego_light_after_5s"] == "Green"
+    assert r["flow_cars"] == r["state_flow_cars"] >= 1

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from envs.carla.config import CarlaConfig
 from envs.carla.lights import CarlaLights, CarlaLightSource
+from envs.carla.scenarios import CarlaScenarios
 from envs.carla.mapping import (Reading, build_carla_world, ego_frame_velocity, fill_pedestrians, fill_vehicles,
                                 graph_from_xodr, is_emergency, route_towns, vehicle_lights)
 from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
@@ -435,7 +436,7 @@ def build_carla_env(ccfg: CarlaConfig, scfg: SimConfig, port: int, tm_port: int,
         actors = CarlaActors(session)
         rules = RULE_SETS[scfg.rules](aborted=lambda s: torch.tensor([session.lost], device=s.t.device))
         return SimEnv(scfg, 1, device, seed, world=world, ego=CarlaControl(session, actors), actors=actors,
-                      lights=CarlaLightSource(lambda: session.lights), rules=rules,
+                      lights=CarlaLightSource(lambda: session.lights), rules=rules, scenarios=CarlaScenarios(session),
                       metrics=(CarlaCrashMetrics(session),), data=session)
     except BaseException:
         session.close()

@@ -211,7 +211,10 @@ class SimEnv(BatchedEnv):
 
     def close(self) -> None:
         """Release what the parts hold outside this process (a CARLA server's actors and connection)."""
-        self.actors.close()
+        try:
+            self.scenarios.close()
+        finally:
+            self.actors.close()
 
     # ------------------------------------------------------------------ resume support
     def state_dict(self) -> dict:

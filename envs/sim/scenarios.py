@@ -303,6 +303,9 @@ class RouteScenarios(Part):
         d = torch.where((d.norm(dim=-1, keepdim=True) < 1e-6), dl, d)
         return p0 + (p1 - p0) * t, torch.atan2(d[..., 1], d[..., 0])
 
+    def close(self) -> None:
+        """Release what the scenarios hold outside this process (a server's actors); nothing here."""
+
     def refresh(self, s: SimState) -> None:
         """Write the actors again after the background traffic's refresh (which may reuse their slots)."""
         if self.on:

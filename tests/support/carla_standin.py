@@ -93,6 +93,14 @@ def _blueprints() -> dict[str, tuple[str, list, tuple[float, float, float]]]:
                  _attr("speed", ATTR_FLOAT, "1.4", ["1.4", "2.0"], True), _attr("age", ATTR_STRING, "adult"),
                  _attr("generation", ATTR_INT, "2"), role]
         out[bp] = (f"walker,pedestrian,{i:04d}", attrs, (0.3, 0.3, 0.9))
+    # what route scenarios spawn (envs/carla/scenarios.py): an emergency vehicle, a bicycle and a static prop
+    out["vehicle.ford.ambulance"] = ("vehicle,ford,ambulance", [
+        _attr("number_of_wheels", ATTR_INT, "4"), _attr("base_type", ATTR_STRING, "van"),
+        _attr("special_type", ATTR_STRING, "emergency"), _attr("generation", ATTR_INT, "2"), role], (3.2, 1.2, 1.4))
+    out["vehicle.diamondback.century"] = ("vehicle,diamondback,century", [
+        _attr("number_of_wheels", ATTR_INT, "2"), _attr("base_type", ATTR_STRING, "bicycle"),
+        _attr("generation", ATTR_INT, "1"), role], (0.8, 0.2, 0.8))
+    out["static.prop.vendingmachine"] = ("static,prop,vendingmachine", [role], (0.5, 0.6, 1.0))
     out["sensor.other.collision"] = ("sensor,other,collision", [role], (0.0, 0.0, 0.0))
     return out
 
