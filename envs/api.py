@@ -114,6 +114,12 @@ def action_permutation(source: tuple[str, ...] | list[str], target: tuple[str, .
     return [src.index(n) for n in dst]
 
 
+# Route scenarios (envs/sim/scenarios.py): the types carl plays (longest6 v2's six, ../shared/docs/scenarios.md) and
+# what can become of each in an episode, as ``episode/scenarios/<type>/<outcome>`` counts.
+SCENARIO_TYPES = ("DynamicObjectCrossing", "SignalizedJunctionLeftTurn", "ControlLoss", "SignalizedJunctionRightTurn",
+                  "OppositeVehicleRunningRedLight", "VehicleTurningRoute")
+SCENARIO_OUTCOMES = ("triggered", "passed", "collided", "timed_out", "preempted", "not_reached")
+
 # ---------------------------------------------------------------------------------------------- the info protocol
 DONE = "done"  # [B] bool: the row's episode ended this step
 EPISODE = "episode/"  # + a statistic of the episode that ended on the row ([B], valid where done)
@@ -133,6 +139,8 @@ INFO_KEYS = {
     EPISODE + "termination/<reason>": "1 for the reason the episode ended (a hard infraction, route_completed, or a "
                                        "backend's own: scenario_end, carl_collision, ...); all 0 for an episode "
                                        "cut for no driving reason (a lost CARLA server)",
+    EPISODE + "scenarios/<type>/<outcome>": "route scenarios of each type (SCENARIO_TYPES) by what became of them "
+                                            "(SCENARIO_OUTCOMES); worlds with route scenarios only",
     FINAL_OBS + "<key>": "the terminal observation of every row (keep_final_obs)",
 }
 

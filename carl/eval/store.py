@@ -114,8 +114,7 @@ def scenario_record_fields(ep: dict[str, float], placed: tuple) -> dict[str, dic
     """A longest6 record's ``scenarios`` field: per scenario type, the route's scenarios (``placed``: the world's
     :class:`~envs.maps.scenarios.RouteScenario` of the route) and what became of them in this episode (the env's
     ``episode/scenarios/<type>/<outcome>``), those not played with their reasons."""
-    from envs.maps.scenarios import SCENARIO_TYPES
-    from envs.sim.scenarios import OUTCOMES
+    from envs.api import SCENARIO_OUTCOMES, SCENARIO_TYPES
 
     out: dict[str, dict[str, Any]] = {}
     for rs in placed:
@@ -126,7 +125,7 @@ def scenario_record_fields(ep: dict[str, float], placed: tuple) -> dict[str, dic
             kind["skipped_reasons"].append(f"{rs.defn.name}: {rs.reason}")
     for name, kind in out.items():
         if name in SCENARIO_TYPES:
-            kind.update({o: int(round(ep.get(f"episode/scenarios/{name}/{o}", 0.0))) for o in OUTCOMES})
+            kind.update({o: int(round(ep.get(f"episode/scenarios/{name}/{o}", 0.0))) for o in SCENARIO_OUTCOMES})
     return out
 
 

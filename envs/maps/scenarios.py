@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from envs.api import SCENARIO_TYPES
 from envs.maps.opendrive import carla_to_world, carla_yaw_to_world
 from envs.maps.routes import RouteError, read_route_elements
 
@@ -28,10 +29,6 @@ log = logging.getLogger(__name__)
 
 ROUTE_MATCH_DIST_M = 2.0  # LB route_parser DIST_THRESHOLD
 ROUTE_MATCH_ANGLE_DEG = 10.0  # LB route_parser ANGLE_THRESHOLD
-# The scenario types carl plays (longest6 v2's six, ../shared/docs/scenarios.md §3), in the order of the per-type
-# tables and statistics; a route file's other types are dropped with a warning naming them.
-SCENARIO_TYPES = ("DynamicObjectCrossing", "SignalizedJunctionLeftTurn", "ControlLoss", "SignalizedJunctionRightTurn",
-                  "OppositeVehicleRunningRedLight", "VehicleTurningRoute")
 
 
 @dataclass(frozen=True)

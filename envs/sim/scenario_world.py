@@ -6,6 +6,9 @@ each function below names the class it follows. A scenario that cannot be placed
 the trigger, no traffic light there, no lane from the side it needs) is skipped with a warning and a reason, as the
 Leaderboard skips a scenario with a setup error; :func:`random_route_scenarios` places scenarios of the six types on
 training routes where each can be played.
+
+One file, on purpose: the six classes' geometry shares the map queries (:class:`Roads`) and the route walks, and the
+tables they fill are defined here once.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from torch import Tensor
 
 from envs.maps.lanegraph import CONTROL_LIGHT, LaneGraph
 from envs.maps.routes import Route
-from envs.maps.scenarios import SCENARIO_TYPES, RouteScenario, ScenarioDef, scenarios_on_route
+from envs.api import SCENARIO_TYPES
+from envs.maps.scenarios import RouteScenario, ScenarioDef, scenarios_on_route
 
 log = logging.getLogger(__name__)
 

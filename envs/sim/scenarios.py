@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from envs.maps.scenarios import SCENARIO_TYPES
+from envs.api import SCENARIO_OUTCOMES, SCENARIO_TYPES
 from envs.sim.agents import LIGHT_EMERGENCY, corridor_gap, idm_accel, sizes
 from envs.sim.infractions import INFRACTIONS
 from envs.sim.parts import Part
@@ -25,7 +25,7 @@ from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, L
 from envs.sim.state import ScenarioState, SimState
 
 PENDING, LIVE, DONE = 0, 1, 2
-OUTCOMES = ("triggered", "passed", "collided", "timed_out", "preempted", "not_reached")
+OUTCOMES = SCENARIO_OUTCOMES
 LOSS_NOISE = ((0.055, 0.015), (0.03, 0.01))  # (mean, std) of the steer and throttle noise per 20 Hz tick
 LB_TICK = 0.05  # s: the Leaderboard's tick, at which ControlLoss draws its noise
 COAST = 1.2  # m/s^2: the emergency vehicle coasts after a collision (empty controls)
