@@ -49,6 +49,11 @@ class CarlaScenarios(RouteScenarios):
         if activate:
             self.mirror(s)
 
+    def refresh(self, s: SimState) -> None:
+        """CARLA's actor source rewrites every slot from the server's reading: write the scenario actors again."""
+        if self.on:
+            self._write(s, self._group_scenario(s.scn))
+
     def mirror(self, s: SimState) -> None:
         """The state's scenario actors and light overrides onto the server (batch of one)."""
         if not self.on or self.session.crashed:

@@ -23,6 +23,7 @@ the state dataclass (``SimEnv(state_type=...)``, e.g. :class:`envs.nuplan.logs.N
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -243,16 +244,34 @@ class SimTraffic(ActorSource):
         # parked obstacles stand at the kerb, off the lanes: lane-following vehicles never need to stop for them (on
         # curves the straight leader corridor would sweep over them and hold vehicles there for good)
         st = self.setup
-        agents.step_vehicles(st.world, s.veh, obstacles(s, st.ego_half, include_ego=True, include_statics=False),
-                             lights, st.cfg, st.gen)
+        obs = obstacles(s, st.ego_half, include_ego=True, include_statics=False)
+        veh = self.background(s)
+        agents.step_vehicles(st.world, veh, obs, lights, st.cfg, st.gen)
+        self.write_back(s, veh)
         agents.step_pedestrians(st.world, s.ped, st.cfg.dt, st.gen)
 
     def refresh(self, s: SimState) -> None:
         """Move far-away vehicles back near the ego; density around it changes slowly, so once a second."""
         self.steps += 1
         if self.steps % RESPAWN_EVERY == 0:
-            agents.respawn_vehicles(self.setup.world, s.veh, s.ego_xy, s.route_id, s.route_idx, self.setup.gen)
-            s.veh.valid &= self.slots(s.route_id)
+            veh = self.background(s)
+            agents.respawn_vehicles(self.setup.world, veh, s.ego_xy, s.route_id, s.route_idx, self.setup.gen)
+            veh.valid &= self.slots(s.route_id)[:, :veh.valid.shape[1]]
+            self.write_back(s, veh)
+
+    def background(self, s: SimState) -> agents.Vehicles:
+        """The vehicle slots this part drives: all, or all but the last ones route scenarios own
+        (``Setup.scenario_slots``; envs/sim/scenarios.py moves those, here they are only obstacles)."""
+        bg = self.setup.num_vehicles - self.setup.scenario_slots[0]
+        if bg == self.setup.num_vehicles:
+            return s.veh
+        return agents.Vehicles(**{f.name: getattr(s.veh, f.name)[:, :bg] for f in dataclasses.fields(s.veh)})
+
+    def write_back(self, s: SimState, veh: agents.Vehicles) -> None:
+        """Store what :meth:`background` handed out and the step replaced."""
+        if veh is not s.veh:
+            for f in dataclasses.fields(veh):
+                getattr(s.veh, f.name)[:, :veh.valid.shape[1]] = getattr(veh, f.name)
 
     def slots(self, route_id: Tensor) -> Tensor:
         """[B, A] bool: the vehicle slots in use on each row's map (its traffic density)."""

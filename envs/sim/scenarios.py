@@ -172,7 +172,8 @@ class RouteScenarios(Part):
         moving = self._group_flag(c, c.moving)
         c.act_v = torch.where((collided & ~is_flow).unsqueeze(-1), (c.act_v - COAST * dt).clamp(min=0.0), c.act_v)
         careful = (collided & is_flow).unsqueeze(-1)
-        c.act_v = torch.where(careful, self._careful_speed(s, g, dt), c.act_v)
+        if bool(careful.any()):  # one host sync; skips the flows' IDM on most steps
+            c.act_v = torch.where(careful, self._careful_speed(s, g, dt), c.act_v)
         go = c.act_alive & (flow | moving).unsqueeze(-1)
         c.act_s = torch.where(go, c.act_s + c.act_v * dt, c.act_s)
         # single actors (slot 0): shown from activation (or from the start: the cyclist) until they have moved
@@ -307,9 +308,8 @@ class RouteScenarios(Part):
         """Release what the scenarios hold outside this process (a server's actors); nothing here."""
 
     def refresh(self, s: SimState) -> None:
-        """Write the actors again after the background traffic's refresh (which may reuse their slots)."""
-        if self.on:
-            self._write(s, self._group_scenario(s.scn))
+        """After the actor source's refresh: nothing here (the simulator's traffic leaves the scenario slots alone;
+        a backend whose source rewrites every slot writes the actors again)."""
 
     # ------------------------------------------------------------------ lights
     def lights(self, s: SimState, group: Tensor, state: Tensor, yellow_left: Tensor) -> tuple[Tensor, Tensor]:
