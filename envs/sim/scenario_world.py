@@ -506,9 +506,9 @@ def _tables(rows: list[dict], per_route: list[list[int]], device: torch.device) 
 def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weights: tuple[float, ...],
                            rng: np.random.Generator) -> tuple[RouteScenario, ...]:
     """Scenarios of the six types on a training route: Poisson(``per_km`` x length) of them, each type by
-    ``weights`` (SCENARIO_TYPES order), each trigger at a random route point where its type can be played (the
-    junction types and the cyclist before a junction with a light or any junction, 15-40 m ahead); a type with no
-    such point on the route is not drawn."""
+    ``weights`` (SCENARIO_TYPES order) among the types the route can play, each trigger at a random route point
+    where its type can be played (the junction types and the cyclist 15-40 m before a junction the route turns at
+    as the type needs, with a light for the junction types)."""
     if per_km <= 0 or sum(weights) <= 0:
         return ()
     roads = _roads_cache(graph)
@@ -518,13 +518,15 @@ def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weight
     lit = [k for k in entries if roads.light(int(geo.lanes[k - 1])) >= 0]
     where = {LEFT: [k for k in lit if turn[k] > 30], RIGHT: [k for k in lit if turn[k] < -30],
              RED: [k for k in lit if abs(turn[k]) <= 30], TURN: [k for k in entries if abs(turn[k]) > 30]}
+    # only the types the route has a site for are drawn, so the density holds on every route
+    playable = np.asarray([w if where.get(k, True) else 0.0 for k, w in enumerate(weights)])
+    if playable.sum() <= 0:
+        return ()
     out = []
     for n in range(rng.poisson(per_km * geo.cum[-1] / 1000.0)):
-        kind = int(rng.choice(len(SCENARIO_TYPES), p=np.asarray(weights) / sum(weights)))
+        kind = int(rng.choice(len(SCENARIO_TYPES), p=playable / playable.sum()))
         targets = where.get(kind)
         if targets is not None:
-            if not targets:
-                continue
             i = max(0, geo.walk(int(targets[rng.integers(len(targets))]), 0.0) - int(rng.uniform(15, 40)))
         else:
             i = int(rng.integers(0, max(1, geo.n - 20)))
