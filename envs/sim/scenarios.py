@@ -25,7 +25,6 @@ from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, L
 from envs.sim.state import ScenarioState, SimState
 
 PENDING, LIVE, DONE = 0, 1, 2
-OUTCOMES = SCENARIO_OUTCOMES
 LOSS_NOISE = ((0.055, 0.015), (0.03, 0.01))  # (mean, std) of the steer and throttle noise per 20 Hz tick
 LB_TICK = 0.05  # s: the Leaderboard's tick, at which ControlLoss draws its noise
 COAST = 1.2  # m/s^2: the emergency vehicle coasts after a collision (empty controls)
@@ -258,8 +257,8 @@ class RouteScenarios(Part):
         slots, pedestrians and their blockers into the last pedestrian and static slots."""
         c, tab = s.scn, self.tab
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
-        half = torch.where((tab.type[g] == LEFT) | (tab.type[g] == RIGHT), True, False).unsqueeze(-1).unsqueeze(-1)
-        half = torch.where(half, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
+        is_flow = ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))[..., None, None]  # flows draw car sizes
+        half = torch.where(is_flow, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
         vg = list(VEHICLE_GROUPS)
         pick = lambda x: torch.cat((x[:, 0], x[:, vg[1:], 0]), 1)  # noqa: E731 - [B, FLOW_SLOTS + singles]
         v = s.veh
@@ -365,6 +364,6 @@ class RouteScenarios(Part):
         onehot = tab.type[c.scn].unsqueeze(-1) == torch.arange(len(SCENARIO_TYPES), device=c.scn.device)  # [B,K,T]
         table = torch.einsum("bkt,bko->bto", onehot.float(), flags.float())
         info = {f"episode/scenarios/{name}/{o}": table[:, i, j] for i, name in enumerate(SCENARIO_TYPES)
-                for j, o in enumerate(OUTCOMES)}
+                for j, o in enumerate(SCENARIO_OUTCOMES)}
         info["episode/infractions/scenario_timeout"] = c.timeouts.float()
         return info
