@@ -39,8 +39,9 @@ PRESETS: dict[str, list[str]] = {
     # the laptop recipe for the benchmark towns (multi-map world of Town01-06)
     "towns": ["+experiment=towns"],
     # CaRL's real shape for one GPU: 10x256x256, 1024 envs x 64 steps = 65,536 samples per update, minibatch 16,384,
-    # 3 epochs, Town01-07 + Town10HD (GPU only: one update takes minutes on a CPU)
-    "carl_sim": ["+experiment=carl_sim", "env.num_envs=1024"],
+    # 3 epochs, Town01-07 + Town10HD (GPU only: one update takes minutes on a CPU). One GPU holds what one of
+    # CaRL's 8 ranks holds: 8 micro-batches of 2,048 (the float BEV of 16,384 samples alone is 43 GB)
+    "carl_sim": ["+experiment=carl_sim", "env.num_envs=1024", "ppo.accumulation_steps=8"],
 }
 GPU_ONLY = ("carl_sim",)
 
