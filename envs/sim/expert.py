@@ -15,16 +15,25 @@ from envs.sim import agents, infractions
 from envs.sim.dynamics import DRAG, ROLLING
 from envs.sim.observation import upcoming_stop_lines
 from envs.sim.state import obstacles
-from envs.sim.geometry import to_local, wrap_angle
+from envs.sim.geometry import boxes_overlap, to_local, wrap_angle
 
 if TYPE_CHECKING:  # the env is what these read, not a dependency of theirs
     from envs.sim.env import SimEnv
 
-PATH_POINTS = 24  # path samples ahead (every 2 m)
+PATH_POINTS = 24  # path samples ahead for obstacles (every 2 m)
+FORECAST_POINTS = 40  # path samples ahead for the forecast (80 m: a launch covers ~60 m in its horizon)
 PATH_STEP = 2
 TURN_SPEED = 5.5  # m/s through sharp turns
-FORECAST = torch.arange(0.0, 4.01, 0.5)  # s: the times at which moving actors and the ego's own progress are compared
-EGO_ACCEL = 2.0  # m/s^2: how the ego is assumed to speed up when it goes on
+FORECAST = torch.arange(0.0, 6.01, 0.25)  # s: the times at which moving actors and the ego's own progress are compared
+CRUISE_HORIZON = 4.0  # s: how far ahead driving on as usual is checked
+EGO_ACCEL = 2.0  # m/s^2: how the ego is assumed to speed up when it goes on as usual
+LAUNCH_ACCEL = 3.0  # m/s^2: full throttle (4 m/s^2) less drag up to ~16 m/s, for a launch into a gap
+LAUNCH_SPEED = 20.0  # m/s: a launch speeds up to the stream it joins (the junction flows drive 20 m/s)
+HOLD_BACK = 8.0  # m: short of a fast stream's sweep the ego waits this far back, room to launch into a gap
+FAST = 10.0  # m/s: a stream this fast is waited for from HOLD_BACK
+LINE_ROOM = 30.0  # m: a launch needs the next line it must stop at at least this far ahead
+MARGIN = (1.0, 0.3)  # m: added to the ego's half length and half width where it is forecast to meet actors
+CAR_HALF = (2.4, 1.0)  # m: a flow's unseen next car (half length, half width)
 
 
 class Expert:
@@ -39,19 +48,31 @@ class Expert:
         s = env.state
         v = s.ego_speed
         v0 = self.target_speed(s)
-        gap, lead_v, yielding = self.obstacle_gap(s, v0)
+        gap, lead_v, yielding, launch = self.obstacle_gap(s, v0)
         # traffic control: a line to stop at, if it comes before the obstacle, stops the ego there
         line_gap = self.stop_line_gap(s)
         stop_first = line_gap < gap
+        launch &= line_gap > LINE_ROOM  # a launch never runs a light
         gap = torch.minimum(gap, line_gap)
         lead_v = torch.where(stop_first, torch.zeros_like(lead_v), lead_v)
-        acc = agents.idm_accel(v, v0, gap.clamp(min=0.05), v - lead_v)
+        acc = self.accel(v, v0, gap.clamp(min=0.05), v - lead_v)
+        # a launch speeds up as its forecast assumed, still following the car ahead
+        follow = agents.idm_accel(v, torch.full_like(v, LAUNCH_SPEED), gap.clamp(min=0.05), v - lead_v)
+        acc = torch.where(launch, torch.where(follow < 0, follow, LAUNCH_ACCEL * (v < LAUNCH_SPEED).float()), acc)
         drag = DRAG * v * v + ROLLING * (v > 0).float()  # the ego model's resistance, made up for by throttle
         lon = torch.where(acc + drag >= 0, (acc + drag) / cfg.max_accel, acc / cfg.max_brake)
         # hold still at a standstill when the way is not clear
         # (short of a stream it yields to: no creeping towards it)
         lon = torch.where(((gap < 1.0) | (yielding & (gap < 6.0))) & (v < 0.5), torch.full_like(lon, -1.0), lon)
         return torch.stack((self.steer(s), lon.clamp(-1.0, 1.0)), -1)
+
+    @staticmethod
+    def accel(v: Tensor, v0: Tensor, gap: Tensor, dv: Tensor) -> Tensor:
+        """IDM towards ``v0``; above it (after a launch, before a turn) slowing by at most :data:`EGO_ACCEL` for the
+        speed alone, as the forecast assumes, and harder only for an obstacle."""
+        over = (agents.IDM_ACCEL * (1.0 - (v / v0.clamp(min=0.1)) ** 4)).clamp(min=-EGO_ACCEL)
+        obstacle_only = agents.idm_accel(v, torch.maximum(v0, v), gap, dv)  # no free-road term above v0
+        return torch.where(v > v0, (obstacle_only + over).clamp(min=-8.0), agents.idm_accel(v, v0, gap, dv))
 
     def steer(self, s) -> Tensor:  # noqa: ANN001 - SimState
         """Pure pursuit on the dense route, looking further ahead the faster the ego drives."""
@@ -78,18 +99,19 @@ class Expert:
         v0 = limit * self.speed_fraction
         return torch.where(turning, v0.clamp(max=TURN_SPEED), v0)
 
-    def obstacle_gap(self, s, v0: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001 - SimState
+    def obstacle_gap(self, s, v0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ANN001 - SimState
         """(gap to the first actor on or crossing the path ahead, now or in 1.5 s, or to where the ego yields to a
-        stream (:meth:`forecast_gap`); its speed along the ego's heading; whether the gap is a yield); no such actor:
-        a gap of ~1 km and the target speed ``v0``."""
+        stream (:meth:`forecast`); its speed along the ego's heading; whether the gap is a yield; whether to launch
+        into a gap instead); no such actor: a gap of ~1 km and the target speed ``v0``."""
         env, w = self.env, self.env.world
         B, dev = env.num_envs, env.device
         n = w.route_n[s.route_id]
-        j = s.route_idx.unsqueeze(1) + PATH_STEP * torch.arange(1, PATH_POINTS + 1, device=dev)
+        j = s.route_idx.unsqueeze(1) + PATH_STEP * torch.arange(1, FORECAST_POINTS + 1, device=dev)
         j = torch.minimum(j, (n - 1).unsqueeze(1))
         rid = s.route_id.unsqueeze(1).expand_as(j)
-        path = w.route_pts[rid, j]  # [B,K,2]
-        dist_along = w.route_cum[rid, j] - w.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+        long_path = w.route_pts[rid, j]  # [B,K',2]
+        long_along = w.route_cum[rid, j] - w.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+        path, dist_along = long_path[:, :PATH_POINTS], long_along[:, :PATH_POINTS]
         a_xy, a_yaw, a_speed, a_half, a_valid = obstacles(s, env.ego_half, include_ego=False)
         a_dir = torch.stack((torch.cos(a_yaw), torch.sin(a_yaw)), -1)
         future = a_xy + a_dir * (a_speed * 1.5).unsqueeze(-1)
@@ -99,46 +121,114 @@ class Expert:
         blocked = ((d_now < clearance.unsqueeze(1)) | (d_fut < clearance.unsqueeze(1))) & a_valid.unsqueeze(1)
         # ignore what is behind the ego (its own route behind is not on the path anyway)
         blocked &= (to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))[..., 0] > 0).unsqueeze(1)
+        # gap acceptance: a moving actor that would be where the ego would be, at the same time within the forecast,
+        # if the ego went on (crossing and merging streams), holds the ego before the first path point it sweeps,
+        # unless a launch into the gap meets nobody; a launch then minds only what the forecast did not check
+        N, n_veh = a_xy.shape[1], s.veh.xy.shape[1]
+        idx = torch.arange(N, device=dev)
+        reckless = (idx >= env.setup.num_vehicles - env.setup.scenario_slots[0]) & (idx < n_veh)  # ignore the ego
+        pedestrian = (idx >= n_veh) & (idx < n_veh + s.ped.xy.shape[1])
+        u_xy, u_yaw, u_speed, u_valid, scripted = self.scenario_knowledge(s)
+        u_dir = torch.stack((torch.cos(u_yaw), torch.sin(u_yaw)), -1)
+        U = u_xy.shape[1]
+        yield_gap, launch, forecast = self.forecast(
+            s, v0, long_path, long_along, torch.cat((a_xy, u_xy), 1), torch.cat((a_dir, u_dir), 1),
+            torch.cat((a_speed, u_speed), 1), torch.cat((a_half, torch.tensor(CAR_HALF, device=dev).expand(B, U, 2)), 1),
+            torch.cat((a_valid, u_valid), 1), torch.cat((a_yaw, u_yaw), 1),
+            torch.cat((reckless, torch.ones(U, dtype=torch.bool, device=dev))),
+            torch.cat((pedestrian, torch.zeros(U, dtype=torch.bool, device=dev))), scripted)
+        blocked &= ~(launch.unsqueeze(1) & forecast[:, :N]).unsqueeze(1)
         gap_k = torch.where(blocked.any(-1), dist_along, torch.full_like(dist_along, 1e3))
         gap, kk = gap_k.min(1)
         first_obs = torch.where(blocked, d_now, torch.full_like(d_now, 1e3))
         lead = torch.gather(first_obs, 1, kk.view(B, 1, 1).expand(B, 1, first_obs.shape[2])).squeeze(1).argmin(-1)
         lead_v = (a_speed * torch.cos(a_yaw - s.ego_yaw.unsqueeze(1))).gather(1, lead.unsqueeze(1)).squeeze(1)
         gap = gap - env.ego_half[:, 0] - 1.0
-        # gap acceptance: a moving actor that would be where the ego would be, at the same time within the forecast,
-        # if the ego went on (crossing and merging streams), holds the ego before the first path point it sweeps
-        yield_gap = self.forecast_gap(s, v0, path, dist_along, a_xy, a_dir, a_speed, a_half, a_valid, a_yaw)
         stop_first = yield_gap < gap
         gap = torch.minimum(gap, yield_gap)
         lead_v = torch.where(stop_first, torch.zeros_like(lead_v), lead_v)
-        return gap, torch.where(gap < 500, lead_v.clamp(min=0.0), v0), stop_first
+        return gap, torch.where(gap < 500, lead_v.clamp(min=0.0), v0), stop_first, launch
 
-    def forecast_gap(self, s, v0: Tensor, path: Tensor, dist_along: Tensor, a_xy: Tensor, a_dir: Tensor,  # noqa: ANN001
-                     a_speed: Tensor, a_half: Tensor, a_valid: Tensor, a_yaw: Tensor) -> Tensor:
-        """Distance to stop at before a moving actor's sweep when, going on (speeding up to ``v0``), the ego would
-        meet it; ~1 km when none. Actors behind the ego driving its way (followers) and sweeps the ego is already in
-        with its centre (it is committed) do not count; it stops with its nose 2 m short of the sweep."""
+    def scenario_knowledge(self, s) -> tuple[Tensor, ...]:  # noqa: ANN001 - SimState
+        """What the expert knows of the route scenarios (privileged, as PDM-Lite's scenario knowledge): each flow's
+        next car at the earliest it can come (xy [B,U,2], yaw, speed, valid [B,U]) and where the scenario vehicles
+        will be on their scripted paths at the :data:`FORECAST` times (xy [B,V,T,2], yaw, gone [B,V,T]; None
+        without route scenarios)."""
+        scenarios = getattr(self.env, "scenarios", None)
+        if scenarios is None or not scenarios.on:
+            B, dev = self.env.num_envs, self.env.device
+            return (torch.zeros(B, 0, 2, device=dev), torch.zeros(B, 0, device=dev), torch.zeros(B, 0, device=dev),
+                    torch.zeros(B, 0, dtype=torch.bool, device=dev), None)
+        return (*scenarios.next_flow_cars(s), scenarios.vehicle_forecast(s, FORECAST.to(self.env.device)))
+
+    def forecast(self, s, v0: Tensor, path: Tensor, dist_along: Tensor, a_xy: Tensor, a_dir: Tensor,  # noqa: ANN001
+                 a_speed: Tensor, a_half: Tensor, a_valid: Tensor, a_yaw: Tensor, reckless: Tensor,
+                 pedestrian: Tensor, scripted: tuple[Tensor, Tensor, Tensor] | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """(distance to stop at before a moving actor's sweep when, driving on as usual, the ego would meet it, ~1 km
+        when none; whether a launch, full throttle towards :data:`LAUNCH_SPEED`, meets nobody instead; the actors
+        the forecast checked [B,N]).
+
+        Driving on as usual is checked over :data:`CRUISE_HORIZON` (the scenario actors over the whole
+        :data:`FORECAST`), a launch over the whole forecast; actors move at constant velocity. Followers (behind, driving the ego's way) are not yielded to, but the scenario
+        actors, which ignore the ego, count for a launch: one that would rear-end the ego is outrun or not joined.
+        Sweeps the ego is already in with its centre (it is committed) are not yielded to. ``reckless`` [N]: actors
+        that ignore the ego (the scenario actors); ``pedestrian`` [N]: never launched past. The ego waits with its
+        nose 2 m short of a slow actor's sweep and :data:`HOLD_BACK` short of a fast stream's. Pedestrians are never
+        launched past."""
         env = self.env
         taus = FORECAST.to(s.ego_speed.device)
         v = s.ego_speed.unsqueeze(1)
-        t_full = ((v0.unsqueeze(1) - v) / EGO_ACCEL).clamp(min=0.0)
-        tt = torch.minimum(taus, t_full)
-        ego_d = v * tt + 0.5 * EGO_ACCEL * tt ** 2 + torch.maximum(v, v0.unsqueeze(1)) * (taus - tt)  # [B,T]
-        k = torch.searchsorted(dist_along.contiguous(), ego_d.contiguous()).clamp(max=path.shape[1] - 1)
-        ego_at = torch.gather(path, 1, k.unsqueeze(-1).expand(-1, -1, 2))  # [B,T,2]
-        ego_at = torch.where((ego_d < dist_along[:, :1]).unsqueeze(-1), s.ego_xy.unsqueeze(1), ego_at)
+        cruise = _travel(v, v0.unsqueeze(1), EGO_ACCEL, taus)  # [B,T]
+        rush = _travel(v, torch.full_like(v, LAUNCH_SPEED), LAUNCH_ACCEL, taus)
         actor_at = a_xy.unsqueeze(2) + a_dir.unsqueeze(2) * (a_speed.unsqueeze(-1) * taus).unsqueeze(-1)  # [B,N,T,2]
-        reach = env.ego_half[:, :1] + a_half[..., 0] + 1.0  # [B,N] lengths: a crossing or a rear end
-        meet = ((actor_at - ego_at.unsqueeze(1)).norm(dim=-1) < reach.unsqueeze(-1)).any(-1)  # [B,N]
+        actor_yaw = a_yaw.unsqueeze(-1).expand(-1, -1, len(taus))
+        if scripted is not None:  # the scenario vehicles (the last vehicle slots) follow their scripted paths
+            sv_xy, sv_yaw, sv_gone = scripted
+            a = env.setup.num_vehicles - sv_xy.shape[1]
+            far = torch.full_like(sv_xy, 1e4)
+            actor_at = torch.cat((actor_at[:, :a], torch.where(sv_gone.unsqueeze(-1), far, sv_xy),
+                                  actor_at[:, a + sv_xy.shape[1]:]), 1)
+            actor_yaw = torch.cat((actor_yaw[:, :a], sv_yaw, actor_yaw[:, a + sv_xy.shape[1]:]), 1)
+        in_cruise = taus <= CRUISE_HORIZON
+
+        step = path[:, 1:] - path[:, :-1]
+        path_yaw = torch.atan2(step[..., 1], step[..., 0])
+        path_yaw = torch.cat((path_yaw, path_yaw[:, -1:]), 1)  # [B,K']
+        ego_he = (env.ego_half + torch.tensor(MARGIN, device=env.device)).view(-1, 1, 1, 2)
+
+        def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the actor meets the ego going ``ego_d``
+            k = torch.searchsorted(dist_along.contiguous(), ego_d.contiguous()).clamp(max=path.shape[1] - 1)
+            before = ego_d < dist_along[:, :1]
+            ego_at = torch.gather(path, 1, k.unsqueeze(-1).expand(-1, -1, 2))  # [B,T,2]
+            ego_at = torch.where(before.unsqueeze(-1), s.ego_xy.unsqueeze(1), ego_at)
+            ego_yaw = torch.where(before, s.ego_yaw.unsqueeze(1), torch.gather(path_yaw, 1, k))
+            close = boxes_overlap(ego_at.unsqueeze(1), ego_yaw.unsqueeze(1), ego_he, actor_at, actor_yaw,
+                                  a_half.unsqueeze(2))  # [B,N,T]
+            gone = (ego_d > dist_along[:, -1:]).unsqueeze(1)  # past the route's end (or the path's): nothing to meet
+            return (close & within & ~gone).any(-1)
+
         local = to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
         follower = (local[..., 0] < 0) & (torch.cos(a_yaw - s.ego_yaw.unsqueeze(1)) > 0.8)
-        relevant = meet & a_valid & (a_speed > 0.5) & ~follower
+        considered = a_valid & (a_speed > 0.5) & (~follower | reckless)
+        # scenario streams over the whole forecast: a gap too short for the turn is not started into
+        within = in_cruise | reckless.unsqueeze(-1)  # [N,T]
+        threat = meets(cruise, within) & considered  # [B,N]
+        # where to wait: the first path point a (non-following) threat sweeps within the cruise horizon
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 1.0  # [B,N]
-        swept = ((path.unsqueeze(2).unsqueeze(3) - actor_at.unsqueeze(1)).norm(dim=-1)
-                 < clearance.unsqueeze(1).unsqueeze(-1)).any(-1) & relevant.unsqueeze(1)  # [B,K,N]
+        near = (path.unsqueeze(2).unsqueeze(3) - actor_at.unsqueeze(1)).norm(dim=-1)  # [B,K,N,T]
+        sweeps = ((near < clearance.unsqueeze(1).unsqueeze(-1)) & within).any(-1)  # [B,K,N]
+        swept = sweeps & (threat & ~follower).unsqueeze(1)
+        # into or across a fast scenario stream the ego goes only by a launch, so that the next car, which may
+        # appear at the stream's source any time, finds it already through
+        stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
+        launch = ((threat.any(-1) | stream) & ~(threat & pedestrian).any(-1)
+                  & ~(meets(rush, taus >= 0) & considered).any(-1))
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
-        ignore = (first < 0.5) | (first >= 1e3)  # committed, or nothing to yield to
-        return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - 2.0)
+        fast = (swept.any(1) & (a_speed > FAST)).any(-1)
+        back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
+        ignore = (first < 0.5) | (first >= 1e3) | launch  # committed, nothing to yield to, or launching
+        return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - back), launch, considered
 
     def stop_line_gap(self, s) -> Tensor:  # noqa: ANN001 - SimState
         """Distance to aim at for the next stop line the ego must stop at (red, a yellow it can stop for, a stop
@@ -155,3 +245,11 @@ class Expert:
                                          | is_sign & ~s.stop_done.unsqueeze(1))
         # IDM halts ~2 m short of an obstacle: aim 1 m past the line point so the centre stops ~3 m before it
         return torch.where(must, (ahead - 1.0).clamp(min=0.0), torch.full_like(to_line, 1e3)).min(1).values
+
+
+def _travel(v: Tensor, target: Tensor, accel: float, taus: Tensor) -> Tensor:
+    """Distance covered at times ``taus`` [T] from speed ``v`` [B,1], changing speed towards ``target`` [B,1] at
+    ``accel`` (up or down) and holding it there: [B,T]."""
+    dv = target - v
+    tt = torch.minimum(taus, dv.abs() / accel)
+    return v * tt + 0.5 * accel * torch.sign(dv) * tt ** 2 + target * (taus - tt)

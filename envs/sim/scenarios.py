@@ -205,6 +205,23 @@ class RouteScenarios(Part):
         redraw = first | spawn
         c.next_gap = torch.where(redraw, gaps[..., 0], c.next_gap)
 
+    def next_flow_cars(self, s: SimState) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The earliest each live flow's next car can come (its last car ``gap_lo`` m from the source; at the
+        source now if that is past), as a car on the source's heading, still behind it: (xy [B,G,2], yaw [B,G],
+        speed [B,G], valid [B,G]). What a driver who knows the flow's rule must expect from the unseen part of the
+        stream (the expert yields to it)."""
+        c, tab = s.scn, self.tab
+        g = self._group_scenario(c)
+        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.collided) & ~c.act_alive.all(-1)
+        nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
+        back = (nearest - tab.gap_lo[g]).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
+        src, nxt = tab.path[g, 0], tab.path[g, 1]
+        heading = nxt - src
+        yaw = torch.atan2(heading[..., 1], heading[..., 0])
+        xy = src + heading / heading.norm(dim=-1, keepdim=True).clamp(min=1e-6) * back.unsqueeze(-1)
+        return xy, yaw, tab.speed[g], valid
+
     def _show_singles(self, c: ScenarioState, g: Tensor, live_g: Tensor) -> None:
         """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""
         tab = self.tab
@@ -259,8 +276,7 @@ class RouteScenarios(Part):
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
         is_flow = ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))[..., None, None]  # flows draw car sizes
         half = torch.where(is_flow, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
-        vg = list(VEHICLE_GROUPS)
-        pick = lambda x: torch.cat((x[:, 0], x[:, vg[1:], 0]), 1)  # noqa: E731 - [B, FLOW_SLOTS + singles]
+        pick = self._vehicle_slots
         v = s.veh
         a = self.veh0
         moving = self._group_flag(c, c.moving) | ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))
@@ -285,6 +301,26 @@ class RouteScenarios(Part):
         o.half[:, self.sta0:] = o.half.new_tensor(DOC_BLOCKER_HALF).expand(*gw.shape, 2)
         o.valid[:, self.sta0:] = tab.blocker_on[gw] & (self._group_status(c)[:, walkers] != DONE) & ~self._group_flag(
             c, c.fin_m < math.inf)[:, walkers]
+
+    @staticmethod
+    def _vehicle_slots(x: Tensor) -> Tensor:
+        """[B, G, F, ...] per group and actor -> [B, FLOW_SLOTS + singles, ...] in the order of the scenario vehicle
+        slots: the flow group's cars, then each single-vehicle group's one actor."""
+        return torch.cat((x[:, 0], x[:, list(VEHICLE_GROUPS[1:]), 0]), 1)
+
+    def vehicle_forecast(self, s: SimState, taus: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Where the scenario vehicles will be at times ``taus`` [T] on their scripted paths at their present speed
+        (privileged: the expert's forecast of actors that ignore the ego): (xy [B,V,T,2], yaw [B,V,T], gone [B,V,T]:
+        past the path's end, or not shown), V the scenario vehicle slots in slot order."""
+        c, tab = s.scn, self.tab
+        g = self._group_scenario(c)
+        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        speed = torch.where((self._group_flag(c, c.moving) | is_flow).unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
+        along = c.act_s.unsqueeze(-1) + speed.unsqueeze(-1) * taus  # [B,G,F,T]
+        xy, yaw = self._pose(g[..., None, None].expand_as(along), along)
+        end = torch.where(is_flow, tab.path_len[g], tab.move_dist[g])  # as _move removes them
+        gone = ~c.act_alive.unsqueeze(-1) | (along >= end[..., None, None])
+        return self._vehicle_slots(xy), self._vehicle_slots(yaw), self._vehicle_slots(gone)
 
     def _pose(self, g: Tensor, s_along: Tensor) -> tuple[Tensor, Tensor]:
         """Position and heading at arc length ``s_along`` on the paths of table rows ``g``."""
