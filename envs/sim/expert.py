@@ -223,7 +223,7 @@ class Expert:
         # appear at the stream's source any time, finds it already through
         stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
         launch = ((threat.any(-1) | stream) & ~(threat & pedestrian).any(-1)
-                  & ~(meets(rush, taus >= 0) & considered).any(-1))
+                  & ~(meets(rush, taus >= 0) & a_valid & (~follower | reckless)).any(-1))  # standing ones too
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
         back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
