@@ -169,8 +169,8 @@ class Expert:
         when none; whether a launch, full throttle towards :data:`LAUNCH_SPEED`, meets nobody instead; the actors
         the forecast checked [B,N]).
 
-        Driving on as usual is checked over :data:`CRUISE_HORIZON` (the scenario actors over the whole
-        :data:`FORECAST`), a launch over the whole forecast; actors move at constant velocity. Followers (behind, driving the ego's way) are not yielded to, but the scenario
+        Both are checked over :data:`CRUISE_HORIZON`, the scenario actors, which do not adapt to the ego, over the
+        whole :data:`FORECAST`; actors move at constant velocity, the scenario vehicles along their scripted paths. Followers (behind, driving the ego's way) are not yielded to, but the scenario
         actors, which ignore the ego, count for a launch: one that would rear-end the ego is outrun or not joined.
         Sweeps the ego is already in with its centre (it is committed) are not yielded to. ``reckless`` [N]: actors
         that ignore the ego (the scenario actors); ``pedestrian`` [N]: never launched past. The ego waits with its
@@ -223,7 +223,7 @@ class Expert:
         # appear at the stream's source any time, finds it already through
         stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
         launch = ((threat.any(-1) | stream) & ~(threat & pedestrian).any(-1)
-                  & ~(meets(rush, taus >= 0) & a_valid & (~follower | reckless)).any(-1))  # standing ones too
+                  & ~(meets(rush, within) & a_valid & (~follower | reckless)).any(-1))  # standing ones too
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
         back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
