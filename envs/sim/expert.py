@@ -6,6 +6,7 @@ lights, and stop signs until it has stopped. Batched like the simulator: one cal
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,6 @@ TURN_SPEED = 5.5  # m/s through sharp turns
 FORECAST = torch.arange(0.0, 6.01, 0.25)  # s: the times at which moving actors and the ego's own progress are compared
 CRUISE_HORIZON = 4.0  # s: how far ahead driving on as usual is checked
 EGO_ACCEL = 2.0  # m/s^2: how the ego is assumed to speed up when it goes on as usual
-LAUNCH_ACCEL = 3.0  # m/s^2: full throttle (4 m/s^2) less drag up to ~16 m/s, for a launch into a gap
 LAUNCH_SPEED = 20.0  # m/s: a launch speeds up to the stream it joins (the junction flows drive 20 m/s)
 HOLD_BACK = 8.0  # m: short of a fast stream's sweep the ego waits this far back, room to launch into a gap
 FAST = 10.0  # m/s: a stream this fast is waited for from HOLD_BACK
@@ -58,9 +58,10 @@ class Expert:
         acc = self.accel(v, v0, gap.clamp(min=0.05), v - lead_v)
         # a launch speeds up as its forecast assumed, still following the car ahead
         follow = agents.idm_accel(v, torch.full_like(v, LAUNCH_SPEED), gap.clamp(min=0.05), v - lead_v)
-        acc = torch.where(launch, torch.where(follow < 0, follow, LAUNCH_ACCEL * (v < LAUNCH_SPEED).float()), acc)
         drag = DRAG * v * v + ROLLING * (v > 0).float()  # the ego model's resistance, made up for by throttle
         lon = torch.where(acc + drag >= 0, (acc + drag) / cfg.max_accel, acc / cfg.max_brake)
+        full = torch.where(v < LAUNCH_SPEED, torch.ones_like(lon), drag / cfg.max_accel)
+        lon = torch.where(launch, torch.where(follow < 0, follow / cfg.max_brake, full), lon)
         # hold still at a standstill when the way is not clear
         # (short of a stream it yields to: no creeping towards it)
         lon = torch.where(((gap < 1.0) | (yielding & (gap < 6.0))) & (v < 0.5), torch.full_like(lon, -1.0), lon)
@@ -166,7 +167,7 @@ class Expert:
                  pedestrian: Tensor, scripted: tuple[Tensor, Tensor, Tensor] | None = None
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(distance to stop at before a moving actor's sweep when, driving on as usual, the ego would meet it, ~1 km
-        when none; whether a launch, full throttle towards :data:`LAUNCH_SPEED`, meets nobody instead; the actors
+        when none; whether a launch, full throttle up to :data:`LAUNCH_SPEED`, meets nobody instead; the actors
         the forecast checked [B,N]).
 
         Both are checked over :data:`CRUISE_HORIZON`, the scenario actors, which do not adapt to the ego, over the
@@ -180,7 +181,7 @@ class Expert:
         taus = FORECAST.to(s.ego_speed.device)
         v = s.ego_speed.unsqueeze(1)
         cruise = _travel(v, v0.unsqueeze(1), EGO_ACCEL, taus)  # [B,T]
-        rush = _travel(v, torch.full_like(v, LAUNCH_SPEED), LAUNCH_ACCEL, taus)
+        rush = _full_throttle(v, env.cfg.max_accel - ROLLING, taus)
         actor_at = a_xy.unsqueeze(2) + a_dir.unsqueeze(2) * (a_speed.unsqueeze(-1) * taus).unsqueeze(-1)  # [B,N,T,2]
         actor_yaw = a_yaw.unsqueeze(-1).expand(-1, -1, len(taus))
         if scripted is not None:  # the scenario vehicles (the last vehicle slots) follow their scripted paths
@@ -253,3 +254,14 @@ def _travel(v: Tensor, target: Tensor, accel: float, taus: Tensor) -> Tensor:
     dv = target - v
     tt = torch.minimum(taus, dv.abs() / accel)
     return v * tt + 0.5 * accel * torch.sign(dv) * tt ** 2 + target * (taus - tt)
+
+
+def _full_throttle(v: Tensor, accel: float, taus: Tensor) -> Tensor:
+    """Distance covered at times ``taus`` [T] from speed ``v`` [B,1] at full throttle (``accel`` less the ego
+    model's quadratic drag: v(t) = V tanh(c t + phi)) up to :data:`LAUNCH_SPEED`, then holding it: [B,T]."""
+    top, c = math.sqrt(accel / DRAG), math.sqrt(accel * DRAG)
+    phi = torch.atanh((v / top).clamp(max=LAUNCH_SPEED / top))
+    t_cap = ((math.atanh(LAUNCH_SPEED / top) - phi) / c).clamp(min=0.0)
+    tt = torch.minimum(taus, t_cap)
+    d = top / c * (torch.log(torch.cosh(c * tt + phi)) - torch.log(torch.cosh(phi)))
+    return d + torch.maximum(v, torch.full_like(v, LAUNCH_SPEED)) * (taus - tt)
