@@ -228,6 +228,12 @@ class Expert:
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
         back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
+        # no safe launch, but stopping would not help: a stream's car closing in from behind, or a fast stream's
+        # sweep nearer than the ego can stop (hard braking, 6 m/s^2): full throttle is the least bad
+        vs = s.ego_speed
+        cannot_stop = fast & (first - env.ego_half[:, 0] < vs * vs / 12.0)
+        from_behind = threat.any(-1) & ~(threat & ~follower).any(-1)
+        launch |= (cannot_stop | from_behind) & ~(threat & pedestrian).any(-1)
         ignore = (first < 0.5) | (first >= 1e3) | launch  # committed, nothing to yield to, or launching
         return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - back), launch, considered
 
