@@ -55,7 +55,11 @@ class Expert:
         launch &= line_gap > LINE_ROOM  # a launch never runs a light
         gap = torch.minimum(gap, line_gap)
         lead_v = torch.where(stop_first, torch.zeros_like(lead_v), lead_v)
-        acc = self.accel(v, v0, gap.clamp(min=0.05), v - lead_v)
+        # beside scenario vehicles (after a launch) over-speed is shed gently, as the forecast assumes; else plain IDM
+        bg = env.setup.num_vehicles - env.setup.scenario_slots[0]
+        gentle = s.veh.valid[:, bg:].any(-1)
+        acc = torch.where(gentle, self.accel(v, v0, gap.clamp(min=0.05), v - lead_v),
+                          agents.idm_accel(v, v0, gap.clamp(min=0.05), v - lead_v))
         # a launch speeds up as its forecast assumed, still following the car ahead
         follow = agents.idm_accel(v, torch.full_like(v, LAUNCH_SPEED), gap.clamp(min=0.05), v - lead_v)
         drag = DRAG * v * v + ROLLING * (v > 0).float()  # the ego model's resistance, made up for by throttle
@@ -128,7 +132,6 @@ class Expert:
         N, n_veh = a_xy.shape[1], s.veh.xy.shape[1]
         idx = torch.arange(N, device=dev)
         reckless = (idx >= env.setup.num_vehicles - env.setup.scenario_slots[0]) & (idx < n_veh)  # ignore the ego
-        pedestrian = (idx >= n_veh) & (idx < n_veh + s.ped.xy.shape[1])
         u_xy, u_yaw, u_speed, u_valid, scripted = self.scenario_knowledge(s)
         u_dir = torch.stack((torch.cos(u_yaw), torch.sin(u_yaw)), -1)
         U = u_xy.shape[1]
@@ -137,7 +140,7 @@ class Expert:
             torch.cat((a_speed, u_speed), 1), torch.cat((a_half, torch.tensor(CAR_HALF, device=dev).expand(B, U, 2)), 1),
             torch.cat((a_valid, u_valid), 1), torch.cat((a_yaw, u_yaw), 1),
             torch.cat((reckless, torch.ones(U, dtype=torch.bool, device=dev))),
-            torch.cat((pedestrian, torch.zeros(U, dtype=torch.bool, device=dev))), scripted)
+            scripted)
         blocked &= ~(launch.unsqueeze(1) & forecast[:, :N]).unsqueeze(1)
         gap_k = torch.where(blocked.any(-1), dist_along, torch.full_like(dist_along, 1e3))
         gap, kk = gap_k.min(1)
@@ -164,19 +167,19 @@ class Expert:
 
     def forecast(self, s, v0: Tensor, path: Tensor, dist_along: Tensor, a_xy: Tensor, a_dir: Tensor,  # noqa: ANN001
                  a_speed: Tensor, a_half: Tensor, a_valid: Tensor, a_yaw: Tensor, reckless: Tensor,
-                 pedestrian: Tensor, scripted: tuple[Tensor, Tensor, Tensor] | None = None
+                 scripted: tuple[Tensor, Tensor, Tensor] | None = None
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(distance to stop at before a moving actor's sweep when, driving on as usual, the ego would meet it, ~1 km
         when none; whether a launch, full throttle up to :data:`LAUNCH_SPEED`, meets nobody instead; the actors
         the forecast checked [B,N]).
 
         Both are checked over :data:`CRUISE_HORIZON`, the scenario actors, which do not adapt to the ego, over the
-        whole :data:`FORECAST`; actors move at constant velocity, the scenario vehicles along their scripted paths. Followers (behind, driving the ego's way) are not yielded to, but the scenario
-        actors, which ignore the ego, count for a launch: one that would rear-end the ego is outrun or not joined.
-        Sweeps the ego is already in with its centre (it is committed) are not yielded to. ``reckless`` [N]: actors
-        that ignore the ego (the scenario actors); ``pedestrian`` [N]: never launched past. The ego waits with its
-        nose 2 m short of a slow actor's sweep and :data:`HOLD_BACK` short of a fast stream's. Pedestrians are never
-        launched past."""
+        whole :data:`FORECAST`; actors move at constant velocity, the scenario vehicles along their scripted paths.
+        Followers (behind, driving the ego's way) are not yielded to, but the scenario actors (``reckless`` [N]:
+        they ignore the ego) count for a launch: one that would rear-end the ego is outrun or not joined. Sweeps the
+        ego is already in with its centre (it is committed) are not yielded to. The ego waits with its nose 2 m short
+        of a slow actor's sweep and :data:`HOLD_BACK` short of a fast stream's. Only the scenario vehicles are
+        launched past (never pedestrians, never the background traffic, which yields)."""
         env = self.env
         taus = FORECAST.to(s.ego_speed.device)
         v = s.ego_speed.unsqueeze(1)
@@ -223,7 +226,7 @@ class Expert:
         # into or across a fast scenario stream the ego goes only by a launch, so that the next car, which may
         # appear at the stream's source any time, finds it already through
         stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
-        launch = ((threat.any(-1) | stream) & ~(threat & pedestrian).any(-1)
+        launch = ((threat.any(-1) | stream) & ~(threat & ~reckless).any(-1)
                   & ~(meets(rush, within) & a_valid & (~follower | reckless)).any(-1))  # standing ones too
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
@@ -233,7 +236,7 @@ class Expert:
         vs = s.ego_speed
         cannot_stop = fast & (first - env.ego_half[:, 0] < vs * vs / 12.0)
         from_behind = threat.any(-1) & ~(threat & ~follower).any(-1)
-        launch |= (cannot_stop | from_behind) & ~(threat & pedestrian).any(-1)
+        launch |= (cannot_stop | from_behind) & ~(threat & ~reckless).any(-1)
         ignore = (first < 0.5) | (first >= 1e3) | launch  # committed, nothing to yield to, or launching
         return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - back), launch, considered
 
