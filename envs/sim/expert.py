@@ -14,9 +14,9 @@ from torch import Tensor
 
 from envs.sim import agents, infractions
 from envs.sim.dynamics import DRAG, ROLLING
+from envs.sim.geometry import boxes_overlap, to_local, wrap_angle
 from envs.sim.observation import upcoming_stop_lines
 from envs.sim.state import obstacles
-from envs.sim.geometry import boxes_overlap, to_local, wrap_angle
 
 if TYPE_CHECKING:  # the env is what these read, not a dependency of theirs
     from envs.sim.env import SimEnv
