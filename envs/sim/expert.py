@@ -185,32 +185,16 @@ class Expert:
         v = s.ego_speed.unsqueeze(1)
         cruise = _travel(v, v0.unsqueeze(1), EGO_ACCEL, taus)  # [B,T]
         rush = _full_throttle(v, env.cfg.max_accel - ROLLING, taus)
-        actor_at = a_xy.unsqueeze(2) + a_dir.unsqueeze(2) * (a_speed.unsqueeze(-1) * taus).unsqueeze(-1)  # [B,N,T,2]
-        actor_yaw = a_yaw.unsqueeze(-1).expand(-1, -1, len(taus))
-        if scripted is not None:  # the scenario vehicles (the last vehicle slots) follow their scripted paths
-            sv_xy, sv_yaw, sv_gone = scripted
-            a = env.setup.num_vehicles - sv_xy.shape[1]
-            far = torch.full_like(sv_xy, 1e4)
-            actor_at = torch.cat((actor_at[:, :a], torch.where(sv_gone.unsqueeze(-1), far, sv_xy),
-                                  actor_at[:, a + sv_xy.shape[1]:]), 1)
-            actor_yaw = torch.cat((actor_yaw[:, :a], sv_yaw, actor_yaw[:, a + sv_xy.shape[1]:]), 1)
+        actor_at, actor_yaw = _actor_forecast(a_xy, a_dir, a_speed, a_yaw, taus, scripted,
+                                              env.setup.num_vehicles - env.setup.scenario_slots[0])
         in_cruise = taus <= CRUISE_HORIZON
-
-        step = path[:, 1:] - path[:, :-1]
-        path_yaw = torch.atan2(step[..., 1], step[..., 0])
-        path_yaw = torch.cat((path_yaw, path_yaw[:, -1:]), 1)  # [B,K']
         ego_he = (env.ego_half + torch.tensor(MARGIN, device=env.device)).view(-1, 1, 1, 2)
 
         def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the actor meets the ego going ``ego_d``
-            k = torch.searchsorted(dist_along.contiguous(), ego_d.contiguous()).clamp(max=path.shape[1] - 1)
-            before = ego_d < dist_along[:, :1]
-            ego_at = torch.gather(path, 1, k.unsqueeze(-1).expand(-1, -1, 2))  # [B,T,2]
-            ego_at = torch.where(before.unsqueeze(-1), s.ego_xy.unsqueeze(1), ego_at)
-            ego_yaw = torch.where(before, s.ego_yaw.unsqueeze(1), torch.gather(path_yaw, 1, k))
+            ego_at, ego_yaw, gone = _ego_track(path, dist_along, s.ego_xy, s.ego_yaw, ego_d)
             close = boxes_overlap(ego_at.unsqueeze(1), ego_yaw.unsqueeze(1), ego_he, actor_at, actor_yaw,
                                   a_half.unsqueeze(2))  # [B,N,T]
-            gone = (ego_d > dist_along[:, -1:]).unsqueeze(1)  # past the route's end (or the path's): nothing to meet
-            return (close & within & ~gone).any(-1)
+            return (close & within & ~gone.unsqueeze(1)).any(-1)
 
         local = to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
         follower = (local[..., 0] < 0) & (torch.cos(a_yaw - s.ego_yaw.unsqueeze(1)) > 0.8)
@@ -274,3 +258,32 @@ def _full_throttle(v: Tensor, accel: float, taus: Tensor) -> Tensor:
     tt = torch.minimum(taus, t_cap)
     d = top / c * (torch.log(torch.cosh(c * tt + phi)) - torch.log(torch.cosh(phi)))
     return d + torch.maximum(v, torch.full_like(v, LAUNCH_SPEED)) * (taus - tt)
+
+
+def _actor_forecast(a_xy: Tensor, a_dir: Tensor, a_speed: Tensor, a_yaw: Tensor, taus: Tensor,
+                    scripted: tuple[Tensor, Tensor, Tensor] | None, first: int) -> tuple[Tensor, Tensor]:
+    """Actors at times ``taus``: (xy [B,N,T,2], yaw [B,N,T]) at constant velocity, the scenario vehicles (slots from
+    ``first`` on) along their scripted paths instead, far away once gone."""
+    actor_at = a_xy.unsqueeze(2) + a_dir.unsqueeze(2) * (a_speed.unsqueeze(-1) * taus).unsqueeze(-1)
+    actor_yaw = a_yaw.unsqueeze(-1).expand(-1, -1, len(taus))
+    if scripted is None:
+        return actor_at, actor_yaw
+    sv_xy, sv_yaw, sv_gone = scripted
+    end = first + sv_xy.shape[1]
+    sv_xy = torch.where(sv_gone.unsqueeze(-1), torch.full_like(sv_xy, 1e4), sv_xy)
+    return (torch.cat((actor_at[:, :first], sv_xy, actor_at[:, end:]), 1),
+            torch.cat((actor_yaw[:, :first], sv_yaw, actor_yaw[:, end:]), 1))
+
+
+def _ego_track(path: Tensor, dist_along: Tensor, ego_xy: Tensor, ego_yaw: Tensor, ego_d: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """The ego ``ego_d`` [B,T] metres along its path ``path`` [B,K,2] (``dist_along`` [B,K]): (xy [B,T,2], heading
+    [B,T], past the path's end [B,T]: the route ends there, or the forecast knows no further)."""
+    step = path[:, 1:] - path[:, :-1]
+    path_yaw = torch.atan2(step[..., 1], step[..., 0])
+    path_yaw = torch.cat((path_yaw, path_yaw[:, -1:]), 1)
+    k = torch.searchsorted(dist_along.contiguous(), ego_d.contiguous()).clamp(max=path.shape[1] - 1)
+    before = ego_d < dist_along[:, :1]
+    at = torch.where(before.unsqueeze(-1), ego_xy.unsqueeze(1), torch.gather(path, 1, k.unsqueeze(-1).expand(-1, -1, 2)))
+    yaw = torch.where(before, ego_yaw.unsqueeze(1), torch.gather(path_yaw, 1, k))
+    return at, yaw, ego_d > dist_along[:, -1:]
