@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
-from envs.sim.scenario_world import FLOW_SLOTS, NUM_GROUPS, VEHICLE_GROUPS
+from envs.sim.scenario_world import NUM_GROUPS, VEHICLE_GROUPS
 from envs.sim.scenarios import RouteScenarios
 from envs.sim.state import SimState
 
@@ -73,8 +73,7 @@ class CarlaScenarios(RouteScenarios):
         g = self._group_scenario(c)[0]
         out = []
         v0, p0, o0 = self.veh0, self.ped0, self.sta0
-        for k in range(FLOW_SLOTS + len(VEHICLE_GROUPS) - 1):
-            group = 0 if k < FLOW_SLOTS else k - FLOW_SLOTS + 1
+        for k, group in enumerate(self.slot_group.tolist()):
             kind = "car" if group == 0 else ("emergency" if bool(tab.emergency[g[group]]) else "bicycle")
             out.append(("veh", k, kind, s.veh.xy[0, v0 + k], s.veh.yaw[0, v0 + k], bool(s.veh.valid[0, v0 + k])))
         for k in range(NUM_GROUPS - len(VEHICLE_GROUPS)):

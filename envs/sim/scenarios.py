@@ -44,6 +44,11 @@ class RouteScenarios(Part):
         self.veh0 = setup.num_vehicles - v
         self.ped0 = setup.num_pedestrians - p
         self.sta0 = setup.num_statics - o
+        # the one slot layout: scenario vehicle slot i shows actor slot_actor[i] (flat over [G, F]) of group
+        # slot_group[i]; walker groups show their one actor in the last pedestrian and static slots
+        flat = torch.arange(NUM_GROUPS * FLOW_SLOTS, device=setup.device).view(1, NUM_GROUPS, FLOW_SLOTS)
+        self.slot_actor = self._vehicle_slots(flat)[0]
+        self.slot_group = self.slot_actor // FLOW_SLOTS
         self.noise_ticks = max(1, round(setup.cfg.dt / LB_TICK))
 
     # ------------------------------------------------------------------ fresh episodes
@@ -378,11 +383,10 @@ class RouteScenarios(Part):
         c.prev_collisions = n
         c.collided |= hit.unsqueeze(1) & (c.status == LIVE)
         # actors the rules removed from the world (a collision under Leaderboard rules) stay gone
-        v, p, F = s.veh.valid, s.ped.valid, FLOW_SLOTS
+        B, G, F = c.act_alive.shape
         shown = c.act_alive.clone()
-        shown[:, 0] = v[:, self.veh0:self.veh0 + F]
-        shown[:, 1:len(VEHICLE_GROUPS), 0] = v[:, self.veh0 + F:]
-        shown[:, len(VEHICLE_GROUPS):, 0] = p[:, self.ped0:]
+        shown.view(B, G * F)[:, self.slot_actor] = s.veh.valid[:, self.veh0:]
+        shown[:, len(VEHICLE_GROUPS):, 0] = s.ped.valid[:, self.ped0:]
         gone = (c.act_alive & ~shown).any(-1)  # [B,G]
         c.act_alive &= shown
         c.collided |= self._scatter_k(c, gone)
