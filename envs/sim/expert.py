@@ -56,10 +56,8 @@ class Expert:
         gap = torch.minimum(gap, line_gap)
         lead_v = torch.where(stop_first, torch.zeros_like(lead_v), lead_v)
         # beside scenario vehicles (after a launch) over-speed is shed gently, as the forecast assumes; else plain IDM
-        bg = env.setup.num_vehicles - env.setup.scenario_slots[0]
-        gentle = s.veh.valid[:, bg:].any(-1)
-        acc = torch.where(gentle, self.accel(v, v0, gap.clamp(min=0.05), v - lead_v),
-                          agents.idm_accel(v, v0, gap.clamp(min=0.05), v - lead_v))
+        gentle = s.veh.valid[:, env.setup.background_vehicles:].any(-1)
+        acc = self.accel(v, v0, gap.clamp(min=0.05), v - lead_v, gentle)
         # a launch speeds up as its forecast assumed, still following the car ahead
         follow = agents.idm_accel(v, torch.full_like(v, LAUNCH_SPEED), gap.clamp(min=0.05), v - lead_v)
         drag = DRAG * v * v + ROLLING * (v > 0).float()  # the ego model's resistance, made up for by throttle
@@ -72,12 +70,13 @@ class Expert:
         return torch.stack((self.steer(s), lon.clamp(-1.0, 1.0)), -1)
 
     @staticmethod
-    def accel(v: Tensor, v0: Tensor, gap: Tensor, dv: Tensor) -> Tensor:
-        """IDM towards ``v0``; above it (after a launch, before a turn) slowing by at most :data:`EGO_ACCEL` for the
-        speed alone, as the forecast assumes, and harder only for an obstacle."""
-        over = (agents.IDM_ACCEL * (1.0 - (v / v0.clamp(min=0.1)) ** 4)).clamp(min=-EGO_ACCEL)
-        obstacle_only = agents.idm_accel(v, torch.maximum(v0, v), gap, dv)  # no free-road term above v0
-        return torch.where(v > v0, (obstacle_only + over).clamp(min=-8.0), agents.idm_accel(v, v0, gap, dv))
+    def accel(v: Tensor, v0: Tensor, gap: Tensor, dv: Tensor, gentle: Tensor) -> Tensor:
+        """IDM towards ``v0``; where ``gentle`` and above ``v0`` (after a launch) slowing by at most
+        :data:`EGO_ACCEL` for the speed alone, as the forecast assumes, and harder only for an obstacle."""
+        over = gentle & (v > v0)
+        acc = agents.idm_accel(v, torch.where(over, v, v0), gap, dv)  # above v0: no free-road term
+        free = (agents.IDM_ACCEL * (1.0 - (v / v0.clamp(min=0.1)) ** 4)).clamp(min=-EGO_ACCEL)
+        return torch.where(over, (acc + free).clamp(min=-8.0), acc)
 
     def steer(self, s) -> Tensor:  # noqa: ANN001 - SimState
         """Pure pursuit on the dense route, looking further ahead the faster the ego drives."""
@@ -131,7 +130,7 @@ class Expert:
         # unless a launch into the gap meets nobody; a launch then minds only what the forecast did not check
         N, n_veh = a_xy.shape[1], s.veh.xy.shape[1]
         idx = torch.arange(N, device=dev)
-        reckless = (idx >= env.setup.num_vehicles - env.setup.scenario_slots[0]) & (idx < n_veh)  # ignore the ego
+        reckless = (idx >= env.setup.background_vehicles) & (idx < n_veh)  # they ignore the ego
         u_xy, u_yaw, u_speed, u_valid, scripted = self.scenario_knowledge(s)
         u_dir = torch.stack((torch.cos(u_yaw), torch.sin(u_yaw)), -1)
         U = u_xy.shape[1]
@@ -186,19 +185,21 @@ class Expert:
         cruise = _travel(v, v0.unsqueeze(1), EGO_ACCEL, taus)  # [B,T]
         rush = _full_throttle(v, env.cfg.max_accel - ROLLING, taus)
         actor_at, actor_yaw = _actor_forecast(a_xy, a_dir, a_speed, a_yaw, taus, scripted,
-                                              env.setup.num_vehicles - env.setup.scenario_slots[0])
+                                              env.setup.background_vehicles)
         in_cruise = taus <= CRUISE_HORIZON
         ego_he = (env.ego_half + torch.tensor(MARGIN, device=env.device)).view(-1, 1, 1, 2)
+        path_yaw = _headings(path)
 
         def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the actor meets the ego going ``ego_d``
-            ego_at, ego_yaw, gone = _ego_track(path, dist_along, s.ego_xy, s.ego_yaw, ego_d)
+            ego_at, ego_yaw, gone = _ego_track(path, path_yaw, dist_along, s.ego_xy, s.ego_yaw, ego_d)
             close = boxes_overlap(ego_at.unsqueeze(1), ego_yaw.unsqueeze(1), ego_he, actor_at, actor_yaw,
                                   a_half.unsqueeze(2))  # [B,N,T]
             return (close & within & ~gone.unsqueeze(1)).any(-1)
 
         local = to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
         follower = (local[..., 0] < 0) & (torch.cos(a_yaw - s.ego_yaw.unsqueeze(1)) > 0.8)
-        considered = a_valid & (a_speed > 0.5) & (~follower | reckless)
+        counted = a_valid & (~follower | reckless)  # standing ones too, for a launch
+        considered = counted & (a_speed > 0.5)
         # scenario streams over the whole forecast: a gap too short for the turn is not started into
         within = in_cruise | reckless.unsqueeze(-1)  # [N,T]
         threat = meets(cruise, within) & considered  # [B,N]
@@ -210,8 +211,8 @@ class Expert:
         # into or across a fast scenario stream the ego goes only by a launch, so that the next car, which may
         # appear at the stream's source any time, finds it already through
         stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
-        launch = ((threat.any(-1) | stream) & ~(threat & ~reckless).any(-1)
-                  & ~(meets(rush, within) & a_valid & (~follower | reckless)).any(-1))  # standing ones too
+        only_scenario = ~(threat & ~reckless).any(-1)  # never launched past pedestrians or the background traffic
+        launch = (threat.any(-1) | stream) & only_scenario & ~(meets(rush, within) & counted).any(-1)
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
         back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
@@ -220,7 +221,7 @@ class Expert:
         vs = s.ego_speed
         cannot_stop = fast & (first - env.ego_half[:, 0] < vs * vs / 12.0)
         from_behind = threat.any(-1) & ~(threat & ~follower).any(-1)
-        launch |= (cannot_stop | from_behind) & ~(threat & ~reckless).any(-1)
+        launch |= (cannot_stop | from_behind) & only_scenario
         ignore = (first < 0.5) | (first >= 1e3) | launch  # committed, nothing to yield to, or launching
         return torch.where(ignore, torch.full_like(first, 1e3), first - env.ego_half[:, 0] - back), launch, considered
 
@@ -275,15 +276,19 @@ def _actor_forecast(a_xy: Tensor, a_dir: Tensor, a_speed: Tensor, a_yaw: Tensor,
             torch.cat((actor_yaw[:, :first], sv_yaw, actor_yaw[:, end:]), 1))
 
 
-def _ego_track(path: Tensor, dist_along: Tensor, ego_xy: Tensor, ego_yaw: Tensor, ego_d: Tensor
+def _ego_track(path: Tensor, path_yaw: Tensor, dist_along: Tensor, ego_xy: Tensor, ego_yaw: Tensor, ego_d: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
-    """The ego ``ego_d`` [B,T] metres along its path ``path`` [B,K,2] (``dist_along`` [B,K]): (xy [B,T,2], heading
-    [B,T], past the path's end [B,T]: the route ends there, or the forecast knows no further)."""
-    step = path[:, 1:] - path[:, :-1]
-    path_yaw = torch.atan2(step[..., 1], step[..., 0])
-    path_yaw = torch.cat((path_yaw, path_yaw[:, -1:]), 1)
+    """The ego ``ego_d`` [B,T] metres along its path ``path`` [B,K,2] (headings ``path_yaw``, ``dist_along`` [B,K]):
+    (xy [B,T,2], heading [B,T], past the path's end [B,T]: the route ends there, or the forecast knows no further)."""
     k = torch.searchsorted(dist_along.contiguous(), ego_d.contiguous()).clamp(max=path.shape[1] - 1)
     before = ego_d < dist_along[:, :1]
     at = torch.where(before.unsqueeze(-1), ego_xy.unsqueeze(1), torch.gather(path, 1, k.unsqueeze(-1).expand(-1, -1, 2)))
     yaw = torch.where(before, ego_yaw.unsqueeze(1), torch.gather(path_yaw, 1, k))
     return at, yaw, ego_d > dist_along[:, -1:]
+
+
+def _headings(path: Tensor) -> Tensor:
+    """Heading [B,K] of a path [B,K,2] at each point (of the segment it starts; the last keeps the one before)."""
+    step = path[:, 1:] - path[:, :-1]
+    yaw = torch.atan2(step[..., 1], step[..., 0])
+    return torch.cat((yaw, yaw[:, -1:]), 1)

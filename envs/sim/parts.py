@@ -262,7 +262,7 @@ class SimTraffic(ActorSource):
     def background(self, s: SimState) -> agents.Vehicles:
         """The vehicle slots this part drives: all, or all but the last ones route scenarios own
         (``Setup.scenario_slots``; envs/sim/scenarios.py moves those, here they are only obstacles)."""
-        bg = self.setup.num_vehicles - self.setup.scenario_slots[0]
+        bg = self.setup.background_vehicles
         if bg == self.setup.num_vehicles:
             return s.veh
         return agents.Vehicles(**{f.name: getattr(s.veh, f.name)[:, :bg] for f in dataclasses.fields(s.veh)})

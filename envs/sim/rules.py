@@ -239,7 +239,7 @@ class LeaderboardRules(Rules):
         ending = hard & self.ending_mask
         terminated = ending.any(-1)
         truncated = (tr.completed | (s.route_idx >= w.route_n[s.route_id] - 1)) & ~terminated
-        bg = self.setup.num_vehicles - self.setup.scenario_slots[0]  # background traffic only, not scenario actors
+        bg = self.setup.background_vehicles  # background traffic only, not scenario actors
         traffic_speed, has_traffic = criteria.background_speed(s.veh.speed[:, :bg], s.veh.valid[:, :bg])
         criteria.update_min_speed(c, w.route_cum[s.route_id, s.route_idx], w.route_len[s.route_id], s.ego_speed,
                                   traffic_speed, has_traffic, terminated | truncated)

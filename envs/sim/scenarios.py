@@ -41,7 +41,7 @@ class RouteScenarios(Part):
         self.tab = w.scn
         self.pad = w.scn.type.shape[0] - 1  # the inert row
         v, p, o = setup.scenario_slots
-        self.veh0 = setup.num_vehicles - v
+        self.veh0 = setup.background_vehicles
         self.ped0 = setup.num_pedestrians - p
         self.sta0 = setup.num_statics - o
         # the one slot layout: scenario vehicle slot i shows actor slot_actor[i] (flat over [G, F]) of group
@@ -149,6 +149,10 @@ class RouteScenarios(Part):
         c.act_v = torch.where(fresh, tab.speed[row].unsqueeze(-1), c.act_v)
         c.next_gap = torch.where(changed, 0.0, c.next_gap)
 
+    def _is_flow(self, g: Tensor) -> Tensor:
+        """Whether table rows ``g`` are junction flows (the left and right turns' streams of cars)."""
+        return (self.tab.type[g] == LEFT) | (self.tab.type[g] == RIGHT)
+
     def _group_scenario(self, c: ScenarioState) -> Tensor:
         """[B,G] the table row each slot group shows (the inert row for none)."""
         K = c.status.shape[1]
@@ -170,7 +174,7 @@ class RouteScenarios(Part):
         except inside the junction). Single actors walk or drive their path once started, then leave."""
         c, tab, st = s.scn, self.tab, self.setup
         B, G, F = c.act_s.shape
-        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
         collided = self._group_flag(c, c.collided)
         moving = self._group_flag(c, c.moving)
@@ -217,7 +221,7 @@ class RouteScenarios(Part):
         stream (the expert yields to it)."""
         c, tab = s.scn, self.tab
         g = self._group_scenario(c)
-        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        is_flow = self._is_flow(g)
         valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.collided) & ~c.act_alive.all(-1)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
         back = (nearest - tab.gap_lo[g]).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
@@ -230,7 +234,7 @@ class RouteScenarios(Part):
     def _show_singles(self, c: ScenarioState, g: Tensor, live_g: Tensor) -> None:
         """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""
         tab = self.tab
-        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        is_flow = self._is_flow(g)
         single = ~is_flow & (tab.group[g] >= 0) & ~self._group_flag(c, (c.fin_m < math.inf) | c.collided)
         show = single & (live_g | (tab.show_early[g] & (self._group_status(c) == PENDING)))
         c.act_alive[..., 0] = torch.where(single & ~c.act_alive[..., 0] & (c.act_s[..., 0] == 0), show,
@@ -279,12 +283,13 @@ class RouteScenarios(Part):
         slots, pedestrians and their blockers into the last pedestrian and static slots."""
         c, tab = s.scn, self.tab
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
-        is_flow = ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))[..., None, None]  # flows draw car sizes
+        flow = self._is_flow(g)
+        is_flow = flow[..., None, None]  # flows draw car sizes
         half = torch.where(is_flow, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
         pick = self._vehicle_slots
         v = s.veh
         a = self.veh0
-        moving = self._group_flag(c, c.moving) | ((tab.type[g] == LEFT) | (tab.type[g] == RIGHT))
+        moving = self._group_flag(c, c.moving) | flow
         speed = torch.where(moving.unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
         v.xy[:, a:] = pick(xy)
         v.yaw[:, a:] = pick(yaw)
@@ -319,7 +324,7 @@ class RouteScenarios(Part):
         past the path's end, or not shown), V the scenario vehicle slots in slot order."""
         c, tab = s.scn, self.tab
         g = self._group_scenario(c)
-        is_flow = (tab.type[g] == LEFT) | (tab.type[g] == RIGHT)
+        is_flow = self._is_flow(g)
         speed = torch.where((self._group_flag(c, c.moving) | is_flow).unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
         along = c.act_s.unsqueeze(-1) + speed.unsqueeze(-1) * taus  # [B,G,F,T]
         xy, yaw = self._pose(g[..., None, None].expand_as(along), along)

@@ -93,6 +93,11 @@ class Setup:
     ego_half: Tensor  # [B, 2] half length, half width
     scenario_slots: tuple[int, int, int] = (0, 0, 0)  # the last vehicle, pedestrian and static slots scenarios own
 
+    @property
+    def background_vehicles(self) -> int:
+        """Vehicle slots of the background traffic: the ones before the scenario vehicles' slots."""
+        return self.num_vehicles - self.scenario_slots[0]
+
     @classmethod
     def build(cls, cfg: SimConfig, world: World, num_envs: int, device: torch.device, gen: torch.Generator
               ) -> Setup:
