@@ -323,3 +323,42 @@ def test_training_routes_carry_scenarios_where_each_type_can_be_played() -> None
     counts = [len(random_route_scenarios(graph, straight, 40.0, (1.0, 0.0, 1.0, 0.0, 0.0, 0.0), rng))
               for _ in range(60)]
     assert np.mean(counts) == pytest.approx(40.0 * straight.length / 1000.0, rel=0.15)
+
+
+@pytest.mark.parametrize("kind, to, removed, kept", [
+    # right turn (west -> south): the approach in_W, the source road in_N, the junction, the first 80 m of out_S
+    ("SignalizedJunctionRightTurn", "S", [("in_W", 50.0), ("in_N", 60.0), ("junction", 5.0), ("out_S", 70.0)],
+     [("out_S", 95.0), ("in_E", 60.0), ("out_E", 30.0), ("in_S", 60.0), ("out_W", 30.0), ("out_N", 30.0)]),
+    # left turn (west -> north): the approach, the opposite source in_E and its sink out_W, the first 70 m of out_N
+    ("SignalizedJunctionLeftTurn", "N", [("in_W", 50.0), ("in_E", 60.0), ("out_W", 110.0), ("junction", 5.0),
+                                         ("out_N", 60.0)],
+     [("out_N", 85.0), ("in_N", 60.0), ("in_S", 60.0), ("out_S", 30.0), ("out_E", 30.0)]),
+])
+def test_junction_scenarios_clear_the_background_traffic(kind: str, to: str, removed: list, kept: list) -> None:
+    """``HandleJunctionScenario`` (scenarios.md §3.2-3.3): while the scenario is live, background vehicles in its
+    junction, on the ego's approach, on the source (left turn: and sink) road and on the first 80 m (left turn: 70 m)
+    of the ego's exit road are removed; the others stay. Lane names as in :func:`junction_map`."""
+    env = env_with(kind, to=to)
+    graph = env.world.graph
+    lane_of = {f"{io}_{k}": 2 * i + (io == "in") for i, k in enumerate(DIRS) for io in ("out", "in")}
+    lane_of["junction"] = int(np.nonzero(graph.is_junction)[0][0])
+    cars = removed + kept
+    bg = env.scenarios.veh0
+    assert bg >= len(cars)
+
+    def put() -> None:
+        v = env.state.veh
+        v.valid[0, :bg] = False
+        for k, (name, along) in enumerate(cars):
+            v.lane[0, k], v.s[0, k], v.valid[0, k] = lane_of[name], along, True
+
+    put()
+    env.scenarios.clear_background(env.state)  # pending: nothing removed
+    assert env.state.veh.valid[0, :len(cars)].all()
+    place_in_trigger_circle(env)
+    env.step(torch.tensor([[0.0, -1.0]]))
+    assert int(env.state.scn.status[0, 0]) == LIVE
+    put()
+    env.scenarios.clear_background(env.state)
+    valid = env.state.veh.valid[0, :len(cars)].tolist()
+    assert valid == [False] * len(removed) + [True] * len(kept), list(zip(cars, valid))

@@ -49,6 +49,7 @@ LEFT_SOURCE, LEFT_SINK, RIGHT_SOURCE, RIGHT_SINK = 4.0, 2.5, 5.0, 3.0  # times f
 JUNCTION_END_M, GREEN_DELAY, SCENARIO_TIMEOUT = 10.0, 5.0, 240.0
 SCENARIO_TIMEOUT_PENALTY = 0.7  # Leaderboard 2.0's factor per scenario timeout (statistics_manager)
 LOSS_PATCHES, LOSS_RADIUS, LOSS_END_M = (14.0, 48.0, 74.0), 2.0, 110.0
+LEFT_EXIT_CLEAR, RIGHT_EXIT_CLEAR = 70.0, 80.0  # m of the ego's exit road cleared of background (extend_road_exit)
 RED_SPEED, RED_SOURCE, RED_SINK, RED_REACT, RED_MIN_DIST = 60 / 3.6, 30.0, 10.0, 2.2, 12.0
 EMERGENCY_HALF = (3.2, 1.2)  # m: an ambulance-sized emergency vehicle
 TURN_AFTER, TURN_SPEED, TURN_REACT, TURN_MIN_DIST, TURN_END_M = 11.0, 1.8, 1.8, 6.0, 40.0
@@ -96,6 +97,10 @@ class ScenarioTables:
     emergency: Tensor  # [S] bool: its vehicle shows emergency lights
     patch_idx: Tensor  # [S, 3] long: ControlLoss's debris patches as route points (-1 none)
     patch_xy: Tensor  # [S, 3, 2]
+    clear_junction: Tensor  # [S] long: junction whose background vehicles are removed while it is live (-1 none)
+    clear_lane: Tensor  # [S, C] long: ... and those on these lanes (-1 padding) ...
+    clear_lo: Tensor  # [S, C] ... from this many metres along the lane ...
+    clear_hi: Tensor  # [S, C] ... to this many (inf: its end)
 
     @property
     def slots(self) -> int:
@@ -143,9 +148,9 @@ class Roads:
             return "right"
         return "same"
 
-    def back(self, lane: int, dist: float) -> tuple[np.ndarray, np.ndarray]:
+    def back(self, lane: int, dist: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The polyline from ``dist`` m before the end of ``lane`` up to its end, going back through predecessors
-        and stopping at a previous junction; with its per-point junction flags."""
+        and stopping at a previous junction; with its per-point junction flags and the lanes it runs on."""
         parts, need = [lane], dist - self.lens[lane]
         while need > 0:
             prev = [p for p in self.pred[parts[0]] if not self.g.is_junction[p]]
@@ -157,11 +162,11 @@ class Roads:
         cum = _cumulative(pts)
         keep = cum >= cum[-1] - dist - 1e-6
         first = max(int(np.argmax(keep)) - 1, 0)
-        return _cut_start(pts, cum, cum[-1] - dist, first), junction[first:]
+        return _cut_start(pts, cum, cum[-1] - dist, first), junction[first:], parts
 
-    def straight_through(self, entry: int, beyond: float) -> tuple[np.ndarray, np.ndarray]:
+    def straight_through(self, entry: int, beyond: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """``generate_target_waypoint(wp, 0)`` then ``beyond`` m: from the end of ``entry`` straight through its
-        junction and on along the straightest successors; with per-point junction flags."""
+        junction and on along the straightest successors; with per-point junction flags and the lanes it runs on."""
         inside = [n for n in self.g.successors(entry) if self.g.is_junction[n]]
         if not inside:
             raise ScenarioSkip(f"lane {entry} does not enter a junction")
@@ -175,12 +180,13 @@ class Roads:
             parts.append(min(nxt, key=lambda n: _turn(self.heading(int(parts[-1])), self.heading(int(n), False))))
             if not self.g.is_junction[parts[-1]]:
                 need -= self.lens[parts[-1]]
-        pts, junction = self._chain([int(p) for p in parts])
+        parts = [int(p) for p in parts]
+        pts, junction = self._chain(parts)
         # cut ``beyond`` m after the junction's exit (the first non-junction point)
         exit_k = int(np.argmax(~junction)) if (~junction).any() else len(pts) - 1
         cum = _cumulative(pts)
         end = np.searchsorted(cum, cum[exit_k] + beyond) + 1
-        return pts[:end], junction[:end]
+        return pts[:end], junction[:end], parts
 
     def _chain(self, lanes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         pts, flags = [], []
@@ -270,7 +276,49 @@ def _base(kind: int) -> dict:
                 react=0.0, min_dist=0.0, move_dist=inf, gap_lo=0.0, gap_hi=0.0, prefill=False, light_junction=-1,
                 light_ego=-1, light_src=-1, ego_red_s=0.0, timeout_s=inf, end_idx=-1, end_after_m=0.0,
                 end_from_act=False, show_early=False, blocker_xy=np.zeros(2), blocker_yaw=0.0, blocker_on=False,
-                actor_half=np.zeros(2), emergency=False, patch_idx=np.full(3, -1), patch_xy=np.zeros((3, 2)))
+                actor_half=np.zeros(2), emergency=False, patch_idx=np.full(3, -1), patch_xy=np.zeros((3, 2)),
+                clear_junction=-1, clear_lane=np.zeros(0, np.int64), clear_lo=np.zeros(0), clear_hi=np.zeros(0))
+
+
+def _same_direction(roads: Roads, lanes: list[int]) -> list[int]:
+    """``lanes`` and their same-direction neighbours (``get_same_dir_lanes``)."""
+    out: list[int] = []
+    for lane in lanes:
+        for side in (roads.g.left, roads.g.right):
+            k = lane
+            while k >= 0 and k not in out:
+                out.append(k)
+                k = int(side[k])
+    return out
+
+
+def _background_hooks(geo: _RouteGeo, roads: Roads, j_in: int, j_out: int, remove: list[int], exit_m: float
+                      ) -> dict:
+    """``HandleJunctionScenario`` (``ba._handle_junction_scenario``) as what the step removes of the background
+    traffic while the scenario is live: every vehicle in its junction (``clear_junction``), on the ego's approach
+    (``clear_ego_entry``) and on the ``remove`` lanes (the entries and exits the scenario names), and on the first
+    ``exit_m`` m of the ego's exit road (``extend_road_exit``, which pushes them that far on). A lane segment is
+    (lane, from, to) in metres along the lane."""
+    lanes = [int(geo.lanes[j_in - 1]), *remove]
+    lo, hi = [0.0] * len(lanes), [math.inf] * len(lanes)
+    for k in range(j_out, geo.walk(j_out, exit_m) + 1 if exit_m > 0 else j_out):  # the exit road's lanes, each up to exit_m from the junction
+        lane = int(geo.lanes[k])
+        if roads.g.is_junction[lane]:
+            break
+        at = _lane_arc(roads, lane, geo.pts[k])
+        reach = at + exit_m - (geo.cum[k] - geo.cum[j_out])
+        if lane in lanes:
+            hi[lanes.index(lane)] = max(hi[lanes.index(lane)], reach)
+        else:
+            lanes.append(lane), lo.append(0.0), hi.append(reach)
+    return dict(clear_junction=int(roads.g.junction[geo.lanes[j_in]]), clear_lane=np.array(lanes, np.int64),
+                clear_lo=np.array(lo), clear_hi=np.array(hi))
+
+
+def _lane_arc(roads: Roads, lane: int, xy: np.ndarray) -> float:
+    """Metres along ``lane`` to its point nearest ``xy``."""
+    p = roads.g.lane_points(lane)
+    return float(_cumulative(p)[int(np.argmin(np.linalg.norm(p - xy, axis=1)))])
 
 
 def _sidewalk_actor(geo: _RouteGeo, roads: Roads, i: int, d: float, ahead: float, angle: float
@@ -365,14 +413,21 @@ def junction_flow(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int, rng: np
         while roads.g.right[source] >= 0:  # its rightmost lane
             source = int(roads.g.right[source])
         back, beyond = RIGHT_SOURCE * v, RIGHT_SINK * v
-    p0, f0 = roads.back(source, back)
-    p1, f1 = roads.straight_through(source, beyond)
+    p0, f0, entries = roads.back(source, back)
+    p1, f1, through = roads.straight_through(source, beyond)
     path, flags = dense_path(np.concatenate([p0, p1[1:]]), np.concatenate([f0, f1[1:]]))
     src_light = roads.light(source)
+    # the background hooks: the source road's lanes; a left turn also the sink road's (a right turn's sink is the
+    # ego's exit road, cleared for RIGHT_EXIT_CLEAR m)
+    remove = _same_direction(roads, entries)
+    if kind == LEFT:
+        remove += [k for k in _same_direction(roads, [p for p in through if not roads.g.is_junction[p]])
+                   if k not in remove]
     out = _base(kind)
     out.update(path=path, path_junction=flags, speed=v, gap_lo=lo, gap_hi=hi, prefill=kind == RIGHT,
                light_junction=int(roads.g.light_junction[ego_light]), light_ego=ego_light, light_src=src_light,
-               ego_red_s=GREEN_DELAY, timeout_s=SCENARIO_TIMEOUT, end_idx=geo.walk(j_out, JUNCTION_END_M))
+               ego_red_s=GREEN_DELAY, timeout_s=SCENARIO_TIMEOUT, end_idx=geo.walk(j_out, JUNCTION_END_M),
+               **_background_hooks(geo, roads, j_in, j_out, remove, LEFT_EXIT_CLEAR if kind == LEFT else RIGHT_EXIT_CLEAR))
     return out
 
 
@@ -394,8 +449,8 @@ def opposite_vehicle_running_red_light(sd: ScenarioDef, geo: _RouteGeo, roads: R
         raise ScenarioSkip(f"direction={side!r}: use 'right' or 'left'")
     j_in, j_out, approach, ego_light = _junction(geo, roads, i)
     entry = _entry(roads, approach, side, 270.0 if side == "right" else 90.0, None)
-    p0, f0 = roads.back(entry, RED_SOURCE)
-    p1, f1 = roads.straight_through(entry, RED_SINK)
+    p0, f0, entries = roads.back(entry, RED_SOURCE)
+    p1, f1, through = roads.straight_through(entry, RED_SINK)
     path, flags = dense_path(np.concatenate([p0, p1[1:]]), np.concatenate([f0, f1[1:]]))
     ego_pts, adv_pts = roads.g.lane_points(approach), roads.g.lane_points(entry)
     c = _line_intersection(ego_pts[-2], ego_pts[-1], adv_pts[-2], adv_pts[-1])
@@ -404,7 +459,9 @@ def opposite_vehicle_running_red_light(sd: ScenarioDef, geo: _RouteGeo, roads: R
     out = _base(RED)
     out.update(c_xy=c, path=path, path_junction=flags, speed=RED_SPEED, react=RED_REACT, min_dist=RED_MIN_DIST,
                move_dist=float(np.linalg.norm(path[-1] - path[0])), light_junction=int(roads.g.light_junction[ego_light]),
-               light_ego=ego_light, end_idx=j_out, actor_half=np.array(EMERGENCY_HALF), emergency=True)
+               light_ego=ego_light, end_idx=j_out, actor_half=np.array(EMERGENCY_HALF), emergency=True,
+               **_background_hooks(geo, roads, j_in, j_out, entries + [p for p in through if not roads.g.is_junction[p]],
+                                   0.0))
     return out
 
 
@@ -487,6 +544,9 @@ def _tables(rows: list[dict], per_route: list[list[int]], device: torch.device) 
     t = lambda key, dtype=torch.float32: torch.as_tensor(np.array([row[key] for row in rows]), dtype=dtype,  # noqa
                                                         device=device)
     lens = np.array([_cumulative(row["path"])[-1] for row in rows])
+    C = max(1, max(len(row["clear_lane"]) for row in rows))
+    segs = lambda key, fill: torch.as_tensor(np.stack([np.pad(row[key], (0, C - len(row[key])), constant_values=fill)  # noqa
+                                                        for row in rows]), device=device)
     return ScenarioTables(
         route_scn=torch.as_tensor(route_scn, device=device), type=t("type", torch.long), group=t("group", torch.long),
         act_first=t("act_first", torch.long), act_last=t("act_last", torch.long), c_xy=t("c_xy"),
@@ -499,7 +559,8 @@ def _tables(rows: list[dict], per_route: list[list[int]], device: torch.device) 
         end_from_act=t("end_from_act", torch.bool), show_early=t("show_early", torch.bool),
         blocker_xy=t("blocker_xy"), blocker_yaw=t("blocker_yaw"), blocker_on=t("blocker_on", torch.bool),
         actor_half=t("actor_half"), emergency=t("emergency", torch.bool), patch_idx=t("patch_idx", torch.long),
-        patch_xy=t("patch_xy"))
+        patch_xy=t("patch_xy"), clear_junction=t("clear_junction", torch.long), clear_lane=segs("clear_lane", -1),
+        clear_lo=segs("clear_lo", 0.0).float(), clear_hi=segs("clear_hi", 0.0).float())
 
 
 # ---------------------------------------------------------------------------------------------- training routes

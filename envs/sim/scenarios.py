@@ -19,7 +19,7 @@ from torch import Tensor
 from envs.api import SCENARIO_OUTCOMES, SCENARIO_TYPES
 from envs.sim.agents import LIGHT_EMERGENCY, corridor_gap, idm_accel, sizes
 from envs.sim.infractions import INFRACTIONS
-from envs.sim.parts import Part
+from envs.sim.parts import RESPAWN_EVERY, Part
 from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
                                      VEHICLE_GROUPS)
 from envs.sim.state import ScenarioState, SimState
@@ -50,6 +50,7 @@ class RouteScenarios(Part):
         self.slot_actor = self._vehicle_slots(flat)[0]
         self.slot_group = self.slot_actor // FLOW_SLOTS
         self.noise_ticks = max(1, round(setup.cfg.dt / LB_TICK))
+        self.steps = 0
 
     # ------------------------------------------------------------------ fresh episodes
     def reset(self, s: SimState, rows: Tensor) -> None:
@@ -353,8 +354,27 @@ class RouteScenarios(Part):
         """Release what the scenarios hold outside this process (a server's actors); nothing here."""
 
     def refresh(self, s: SimState) -> None:
-        """After the actor source's refresh: nothing here (the simulator's traffic leaves the scenario slots alone;
-        a backend whose source rewrites every slot writes the actors again)."""
+        """After the actor source's refresh (the simulator's traffic leaves the scenario slots alone; a backend
+        whose source rewrites every slot writes the actors again): the live scenarios' background hooks, at the
+        traffic's respawn rate."""
+        self.steps += 1
+        if self.on and self.steps % RESPAWN_EVERY == 0:
+            self.clear_background(s)
+
+    def clear_background(self, s: SimState) -> None:
+        """``HandleJunctionScenario``: the background vehicles in a live scenario's junction and on its lane
+        segments (``ScenarioTables.clear_*``) leave the state; the traffic respawns them elsewhere (never there: this
+        runs after each respawn)."""
+        c, tab, bg = s.scn, self.tab, self.veh0
+        g = self._group_scenario(c)
+        live = (self._group_status(c) == LIVE).unsqueeze(1)  # [B,1,G]
+        lane, along = s.veh.lane[:, :bg], s.veh.s[:, :bg]
+        jid = self.setup.world.lane_junction_id[lane].unsqueeze(-1)  # [B,A,1]
+        in_junction = ((jid >= 0) & (jid == tab.clear_junction[g].unsqueeze(1)) & live).any(-1)  # [B,A]
+        a = along[..., None, None]  # [B,A,1,1] against the segments [B,1,G,C]
+        on = (lane[..., None, None] == tab.clear_lane[g].unsqueeze(1)) & (a >= tab.clear_lo[g].unsqueeze(1)) & (
+            a <= tab.clear_hi[g].unsqueeze(1)) & live.unsqueeze(-1)
+        s.veh.valid[:, :bg] &= ~(in_junction | on.flatten(2).any(-1))
 
     # ------------------------------------------------------------------ lights
     def lights(self, s: SimState, group: Tensor, state: Tensor, yellow_left: Tensor) -> tuple[Tensor, Tensor]:

@@ -36,6 +36,7 @@ class World:
     lane_width: Tensor  # [L]
     lane_speed: Tensor  # [L]
     lane_junction: Tensor  # [L] bool
+    lane_junction_id: Tensor  # [L] long: the junction a junction lane belongs to (-1: none)
     lane_kerb: Tensor  # [L] bool: no same-direction lane to the right (its right edge is the kerb)
     succ_off: Tensor  # [L] start of successors in succ_idx
     succ_count: Tensor  # [L]
@@ -152,6 +153,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         graph=graph, raster=raster, device=device,
         lane_pts=lane_pts_t, lane_len=t(lens, torch.float32), lane_spacing=spacing_t,
         lane_width=t(graph.width), lane_speed=t(graph.speed_limit), lane_junction=t(graph.is_junction),
+        lane_junction_id=t(np.where(graph.is_junction, graph.junction, -1), torch.long),
         lane_kerb=t(graph.right < 0), succ_off=t(graph.succ_offsets[:-1], torch.long),
         succ_count=t(np.diff(graph.succ_offsets), torch.long), succ_idx=t(graph.succ_index, torch.long),
         lane_stop=t(lane_stop), spawn_lanes=t(spawn_lanes, torch.long), spawn_cdf=t(spawn_cdf, torch.float32),
