@@ -1,5 +1,5 @@
 """The expert against the route scenarios (envs/sim/expert.py): its launch forecast checked against the ego model,
-what it knows of a flow's unseen next car checked against the flow's rule, and the right-turn merge driven end to
+what it knows of a flow's unseen next cars checked against the flow's rule, and the right-turn merge driven end to
 end on the hand-built 4-way junction of tests/test_scenarios.py."""
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def test_the_launch_forecast_is_where_the_ego_model_gets_at_full_throttle() -> N
     assert torch.allclose(got, torch.stack(expected, 1), atol=0.15)
 
 
-def test_the_flows_next_car_is_expected_one_minimum_gap_behind_its_last() -> None:
+def test_the_flows_next_two_cars_are_expected_where_the_flows_rule_spawns_them() -> None:
     """Right-turn flow from the north arm: source 100 m up the southbound lane (x = -1.75, y = 8 + 100), heading
-    south at 20 m/s. The earliest next car follows the last one at the minimum gap, 25 m (at the source if the last
-    one is already further)."""
+    south at 20 m/s. The next car spawns once the last one is the drawn gap (``next_gap``) from the source, so it is
+    expected that gap behind the last (at the source if the last one is already further); the one after at the
+    minimum gap, 25 m, further back."""
     env = env_with("SignalizedJunctionRightTurn", to="S")
     place_in_trigger_circle(env)
     env.step(torch.tensor([[0.0, -1.0]]))
@@ -42,11 +43,14 @@ def test_the_flows_next_car_is_expected_one_minimum_gap_behind_its_last() -> Non
         flow = 0  # the flows' slot group
         alive = s.scn.act_alive[0, flow]
         last = float(s.scn.act_s[0, flow][alive].min())  # m from the source
-        behind = max(25.0 - last, 0.0)
-        assert bool(valid[0, flow])
-        assert torch.allclose(xy[0, flow], torch.tensor([-OFF, HALF + 100.0 + behind]), atol=0.05)
-        assert abs(float(yaw[0, flow]) + torch.pi / 2) < 1e-3
-        assert float(speed[0, flow]) == 20.0
+        drawn = float(s.scn.next_gap[0, flow])
+        assert 25.0 <= drawn <= 50.0
+        behind = max(drawn - last, 0.0)
+        assert bool(valid[0, flow].all())
+        assert torch.allclose(xy[0, flow], torch.tensor([[-OFF, HALF + 100.0 + behind],
+                                                         [-OFF, HALF + 100.0 + behind + 25.0]]), atol=0.05)
+        assert torch.allclose(yaw[0, flow], torch.full((2,), -torch.pi / 2), atol=1e-3)
+        assert speed[0, flow].tolist() == [20.0, 20.0]
         for _ in range(7):
             env.step(torch.tensor([[0.0, -1.0]]))
 

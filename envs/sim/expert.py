@@ -30,6 +30,7 @@ CRUISE_HORIZON = 4.0  # s: how far ahead driving on as usual is checked
 EGO_ACCEL = 2.0  # m/s^2: how the ego is assumed to speed up when it goes on as usual
 LAUNCH_SPEED = 20.0  # m/s: a launch speeds up to the stream it joins (the junction flows drive 20 m/s)
 HOLD_BACK = 8.0  # m: short of a fast stream's sweep the ego waits this far back, room to launch into a gap
+RUN_UP = 15.0  # m: short of a fast stream it merges into, room to be at speed when it joins
 FAST = 10.0  # m/s: a stream this fast is waited for from HOLD_BACK
 LINE_ROOM = 30.0  # m: a launch needs the next line it must stop at at least this far ahead
 MARGIN = (1.0, 0.3)  # m: added to the ego's half length and half width where it is forecast to meet actors
@@ -154,7 +155,7 @@ class Expert:
 
     def scenario_knowledge(self, s) -> tuple[Tensor, ...]:  # noqa: ANN001 - SimState
         """What the expert knows of the route scenarios (privileged, as PDM-Lite's scenario knowledge): each flow's
-        next car at the earliest it can come (xy [B,U,2], yaw, speed, valid [B,U]) and where the scenario vehicles
+        next two cars, not yet spawned (xy [B,U,2], yaw, speed, valid [B,U]) and where the scenario vehicles
         will be on their scripted paths at the :data:`FORECAST` times (xy [B,V,T,2], yaw, gone [B,V,T]; None
         without route scenarios)."""
         scenarios = getattr(self.env, "scenarios", None)
@@ -162,7 +163,8 @@ class Expert:
             B, dev = self.env.num_envs, self.env.device
             return (torch.zeros(B, 0, 2, device=dev), torch.zeros(B, 0, device=dev), torch.zeros(B, 0, device=dev),
                     torch.zeros(B, 0, dtype=torch.bool, device=dev), None)
-        return (*scenarios.next_flow_cars(s), scenarios.vehicle_forecast(s, FORECAST.to(self.env.device)))
+        unseen = (x.flatten(1, 2) for x in scenarios.next_flow_cars(s))
+        return (*unseen, scenarios.vehicle_forecast(s, FORECAST.to(self.env.device)))
 
     def forecast(self, s, v0: Tensor, path: Tensor, dist_along: Tensor, a_xy: Tensor, a_dir: Tensor,  # noqa: ANN001
                  a_speed: Tensor, a_half: Tensor, a_valid: Tensor, a_yaw: Tensor, reckless: Tensor,
@@ -215,7 +217,11 @@ class Expert:
         launch = (threat.any(-1) | stream) & only_scenario & ~(meets(rush, within) & counted).any(-1)
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         fast = (swept.any(1) & (a_speed > FAST)).any(-1)
-        back = torch.where(fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0))
+        # merging into a stream (it sweeps the path going the path's way): wait further back, to join it at speed
+        aligned = torch.cos(a_yaw.unsqueeze(1) - path_yaw.unsqueeze(2)) > 0.7  # [B,K,N]
+        merge = ((swept & aligned).any(1) & (a_speed > FAST)).any(-1)
+        back = torch.where(merge, torch.full_like(first, RUN_UP), torch.where(
+            fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0)))
         # no safe launch, but stopping would not help: a stream's car closing in from behind, or a fast stream's
         # sweep nearer than the ego can stop (hard braking, 6 m/s^2): full throttle is the least bad
         vs = s.ego_speed

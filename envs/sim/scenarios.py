@@ -216,21 +216,25 @@ class RouteScenarios(Part):
         c.next_gap = torch.where(redraw, gaps[..., 0], c.next_gap)
 
     def next_flow_cars(self, s: SimState) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The earliest each live flow's next car can come (its last car ``gap_lo`` m from the source; at the
-        source now if that is past), as a car on the source's heading, still behind it: (xy [B,G,2], yaw [B,G],
-        speed [B,G], valid [B,G]). What a driver who knows the flow's rule must expect from the unseen part of the
-        stream (the expert yields to it)."""
+        """The flows' next two cars, not yet spawned, as cars on the source's heading still behind it: the next one
+        where it spawns by the flow's drawn gap (it appears once the last car is ``next_gap`` m from the source), the
+        one after at the earliest its rule allows (``gap_lo`` further back): (xy [B,G,2,2], yaw [B,G,2], speed
+        [B,G,2], valid [B,G,2]). What a driver who knows the flow's rule and draws must expect from the unseen part of
+        the stream (privileged, as the scripted paths: the expert yields to it)."""
         c, tab = s.scn, self.tab
         g = self._group_scenario(c)
         is_flow = self._is_flow(g)
         valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.collided) & ~c.act_alive.all(-1)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
-        back = (nearest - tab.gap_lo[g]).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
+        first = (nearest - c.next_gap).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
+        back = torch.stack((first, first - tab.gap_lo[g]), -1)  # [B,G,2]
         src, nxt = tab.path[g, 0], tab.path[g, 1]
         heading = nxt - src
         yaw = torch.atan2(heading[..., 1], heading[..., 0])
-        xy = src + heading / heading.norm(dim=-1, keepdim=True).clamp(min=1e-6) * back.unsqueeze(-1)
-        return xy, yaw, tab.speed[g], valid
+        unit = heading / heading.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+        xy = src.unsqueeze(2) + unit.unsqueeze(2) * back.unsqueeze(-1)
+        two = (-1, -1, 2)
+        return xy, yaw.unsqueeze(-1).expand(two), tab.speed[g].unsqueeze(-1).expand(two), valid.unsqueeze(-1).expand(two)
 
     def _show_singles(self, c: ScenarioState, g: Tensor, live_g: Tensor) -> None:
         """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""
