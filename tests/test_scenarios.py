@@ -16,6 +16,7 @@ from envs.maps.scenarios import ScenarioDef, scenarios_on_route
 from envs.sim.agents import LIGHT_EMERGENCY
 from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
+from envs.sim.infractions import INFRACTIONS
 from envs.sim.scenarios import DONE, LIVE
 from envs.sim.world import build_world
 
@@ -153,6 +154,28 @@ def test_driving_on_at_constant_speed_hits_the_pedestrian_and_stopping_does_not(
     stop = drive(env_with("DynamicObjectCrossing"), 8.0, 140, brake_at_x=-40.0)
     assert stop["episode/infractions/collision_pedestrian"][0] == 0
     assert stop["episode/scenarios/DynamicObjectCrossing/triggered"][0] == 1
+
+
+def test_a_collision_elsewhere_counts_against_the_live_scenario_but_its_pedestrian_walks_on() -> None:
+    """The ego, standing in the trigger circle 14 m before C, is hit elsewhere (a collision counted by the rules)
+    while the pedestrian walks: the scenario counts as collided, but the pedestrian keeps 2 m/s (0.2 m per 0.1 s
+    step; it stops only when it is the one hit), shown at that speed."""
+    env = env_with("DynamicObjectCrossing")
+    ped0 = env.scenarios.ped0
+    place_in_trigger_circle(env, speed=8.0)  # 14 m / 8 m/s < 2.1 s: it starts at activation
+    env.step(torch.tensor([[0.0, -1.0]]))
+    while float(env.state.ego_speed[0]) > 0:
+        env.step(torch.tensor([[0.0, -1.0]]))
+    s = env.state
+    assert bool(s.scn.moving[0, 0]) and bool(s.ped.valid[0, ped0])
+    y0 = float(s.ped.xy[0, ped0, 1])
+    s.counts[0, INFRACTIONS.index("collision_vehicle")] += 1
+    for _ in range(5):
+        env.step(torch.tensor([[0.0, -1.0]]))
+    s = env.state
+    assert bool(s.scn.collided[0, 0])
+    assert float(s.ped.xy[0, ped0, 1]) - y0 == pytest.approx(5 * 0.2, abs=1e-4)
+    assert float(s.ped.speed[0, ped0]) == pytest.approx(2.0)
 
 
 def test_the_left_turn_stream_keeps_its_speed_and_gaps_and_the_lights_are_forced() -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.config import SimConfig
-from envs.sim.geometry import dense
+from envs.sim.geometry import dense, polyline_pose
 from envs.sim.world import LightFn, World
 
 # IDM parameters (textbook values, urban driving)
@@ -28,16 +28,7 @@ BRAKE_LIGHT_DECEL = 0.5  # m/s^2: IDM braking harder than this (or holding the c
 
 def lane_pose(world: World, lane: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """World position and heading at arc length ``s`` on ``lane`` (any shape)."""
-    pmax = world.lane_pts.shape[1]
-    flat = world.lane_pts.reshape(-1, 2)
-    sp = world.lane_spacing[lane]
-    f = (s.clamp(min=0.0) / sp)
-    i = f.floor().long().clamp(0, pmax - 2)
-    t = (f - i).clamp(0.0, 1.0).unsqueeze(-1)
-    base = lane * pmax + i
-    p0, p1 = flat[base], flat[base + 1]
-    d = p1 - p0
-    return p0 + d * t, torch.atan2(d[..., 1], d[..., 0])
+    return polyline_pose(world.lane_pts, lane, s / world.lane_spacing[lane], world.lane_pts.shape[1] - 2)
 
 
 def idm_accel(v: Tensor, v0: Tensor, gap: Tensor, dv: Tensor) -> Tensor:

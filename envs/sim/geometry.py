@@ -29,6 +29,20 @@ def to_local(xy: Tensor, origin: Tensor, yaw: Tensor) -> Tensor:
     return rotate(xy - origin, -yaw)
 
 
+def polyline_pose(points: Tensor, row: Tensor, f: Tensor, last: Tensor | int) -> tuple[Tensor, Tensor]:
+    """Position and heading at fractional point index ``f`` on polyline ``row`` of ``points`` [R, P, 2] (rows padded
+    to P), interpolated on its segments 0..``last`` (per row, or one for all; past them: along the last one)."""
+    P = points.shape[1]
+    flat = points.reshape(-1, 2)
+    i = f.clamp(min=0.0).floor().long()
+    i = torch.minimum(i, last) if isinstance(last, Tensor) else i.clamp(max=last)
+    t = (f - i).clamp(0.0, 1.0).unsqueeze(-1)
+    base = row * P + i
+    p0, p1 = flat[base], flat[base + 1]
+    d = p1 - p0
+    return p0 + d * t, torch.atan2(d[..., 1], d[..., 0])
+
+
 def box_corners(center: Tensor, yaw: Tensor, half_extent: Tensor) -> Tensor:
     """Corners [..., 4, 2] of oriented boxes (half_extent = (half length, half width)), counter-clockwise."""
     signs = center.new_tensor([[1.0, 1.0], [-1.0, 1.0], [-1.0, -1.0], [1.0, -1.0]])

@@ -73,6 +73,7 @@ class ScenarioTables:
     c_xy: Tensor  # [S, 2] the conflict point the start rule measures the ego's time to arrival at
     path: Tensor  # [S, P, 2] the actors' path
     path_len: Tensor  # [S] m
+    path_last: Tensor  # [S] long: its last segment (points 0 .. path_last + 1; the rest pads)
     path_junction: Tensor  # [S, P] bool: path points inside the junction (no pre-filled flow car there)
     speed: Tensor  # [S] m/s of the actors
     react: Tensor  # [S] s: actors start when the ego's time to arrival at c_xy falls below this ...
@@ -551,6 +552,7 @@ def _tables(rows: list[dict], per_route: list[list[int]], device: torch.device) 
         route_scn=torch.as_tensor(route_scn, device=device), type=t("type", torch.long), group=t("group", torch.long),
         act_first=t("act_first", torch.long), act_last=t("act_last", torch.long), c_xy=t("c_xy"),
         path=torch.as_tensor(path, dtype=torch.float32, device=device), path_len=torch.as_tensor(lens, dtype=torch.float32, device=device),
+        path_last=torch.as_tensor([max(len(row["path"]) - 2, 0) for row in rows], dtype=torch.long, device=device),
         path_junction=torch.as_tensor(junction, device=device), speed=t("speed"), react=t("react"),
         min_dist=t("min_dist"), move_dist=t("move_dist"), gap_lo=t("gap_lo"), gap_hi=t("gap_hi"),
         prefill=t("prefill", torch.bool), light_junction=t("light_junction", torch.long),

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from envs.api import SCENARIO_OUTCOMES, SCENARIO_TYPES
 from envs.sim.agents import LIGHT_EMERGENCY, corridor_gap, idm_accel, sizes
+from envs.sim.geometry import polyline_pose
 from envs.sim.infractions import INFRACTIONS
 from envs.sim.parts import RESPAWN_EVERY, Part
 from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
@@ -67,7 +68,7 @@ class RouteScenarios(Part):
             signs, half = torch.ones(B, K, 3, 2, device=dev), torch.ones(B, G, F, 2, device=dev)
         s.scn = ScenarioState(
             scn=scn, status=torch.zeros(B, K, dtype=torch.long, device=dev), t_act=zk.clone(), act_m=zk.clone(),
-            fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), timed_out=zb.clone(), preempted=zb.clone(),
+            fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), hit=zb.clone(), timed_out=zb.clone(), preempted=zb.clone(),
             patch=torch.zeros(B, K, dtype=torch.long, device=dev), near=zb.clone(), signs=signs,
             owner=torch.full((B, G), K, dtype=torch.long, device=dev), act_s=torch.zeros(B, G, F, device=dev),
             act_v=torch.zeros(B, G, F, device=dev), act_alive=torch.zeros(B, G, F, dtype=torch.bool, device=dev),
@@ -170,14 +171,14 @@ class RouteScenarios(Part):
         return torch.gather(flag, 1, c.owner.clamp(max=K - 1)) & (c.owner < K)
 
     def _move(self, s: SimState, g: Tensor, live_g: Tensor, dt: float, route_m: Tensor) -> None:
-        """Flows: cars advance at the flow's speed (braking to a stop once their scenario collided), leave at the
+        """Flows: cars advance at the flow's speed (minding the ego, with IDM, once one of them hit it), leave at the
         sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
         except inside the junction). Single actors walk or drive their path once started, then leave."""
         c, tab, st = s.scn, self.tab, self.setup
         B, G, F = c.act_s.shape
         is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
-        collided = self._group_flag(c, c.collided)
+        collided = self._group_flag(c, c.hit)  # its own actor hit: a single coasts, a flow minds the ego
         moving = self._group_flag(c, c.moving)
         c.act_v = torch.where((collided & ~is_flow).unsqueeze(-1), (c.act_v - COAST * dt).clamp(min=0.0), c.act_v)
         careful = (collided & is_flow).unsqueeze(-1)
@@ -224,7 +225,7 @@ class RouteScenarios(Part):
         c, tab = s.scn, self.tab
         g = self._group_scenario(c)
         is_flow = self._is_flow(g)
-        valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.collided) & ~c.act_alive.all(-1)
+        valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.hit) & ~c.act_alive.all(-1)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
         first = (nearest - c.next_gap).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
         back = torch.stack((first, first - tab.gap_lo[g]), -1)  # [B,G,2]
@@ -240,7 +241,7 @@ class RouteScenarios(Part):
         """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""
         tab = self.tab
         is_flow = self._is_flow(g)
-        single = ~is_flow & (tab.group[g] >= 0) & ~self._group_flag(c, (c.fin_m < math.inf) | c.collided)
+        single = ~is_flow & (tab.group[g] >= 0) & ~self._group_flag(c, (c.fin_m < math.inf) | c.hit)
         show = single & (live_g | (tab.show_early[g] & (self._group_status(c) == PENDING)))
         c.act_alive[..., 0] = torch.where(single & ~c.act_alive[..., 0] & (c.act_s[..., 0] == 0), show,
                                           c.act_alive[..., 0])
@@ -285,37 +286,34 @@ class RouteScenarios(Part):
 
     def _write(self, s: SimState, g: Tensor) -> None:
         """The groups' actors into their slots: the flow group's cars and the single vehicles into the last vehicle
-        slots, pedestrians and their blockers into the last pedestrian and static slots."""
+        slots, pedestrians and their blockers into the last pedestrian and static slots. Only the actors that exist
+        are posed: group 0's cars (it carries the flows) and the other groups' one actor each."""
         c, tab = s.scn, self.tab
-        xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
-        flow = self._is_flow(g)
-        is_flow = flow[..., None, None]  # flows draw car sizes
-        half = torch.where(is_flow, c.act_half, tab.actor_half[g].unsqueeze(2).expand_as(c.act_half))
-        pick = self._vehicle_slots
-        v = s.veh
-        a = self.veh0
-        moving = self._group_flag(c, c.moving) | flow
-        speed = torch.where(moving.unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
-        v.xy[:, a:] = pick(xy)
-        v.yaw[:, a:] = pick(yaw)
-        v.speed[:, a:] = pick(speed)
-        v.half[:, a:] = pick(half)
-        v.valid[:, a:] = pick(c.act_alive)
-        v.lights[:, a:] = torch.where(pick(tab.emergency[g].unsqueeze(-1).expand_as(c.act_s)), LIGHT_EMERGENCY, 0
-                                      ).to(v.lights.dtype)
-        p, walkers = s.ped, list(range(len(VEHICLE_GROUPS), NUM_GROUPS))
-        p.xy[:, self.ped0:] = xy[:, walkers, 0]
-        p.yaw[:, self.ped0:] = yaw[:, walkers, 0]
-        p.speed[:, self.ped0:] = tab.speed[g[:, walkers]]
-        p.moving[:, self.ped0:] = self._group_flag(c, c.moving)[:, walkers]
-        p.valid[:, self.ped0:] = c.act_alive[:, walkers, 0]
+        V = len(VEHICLE_GROUPS)
+        cars_xy, cars_yaw = self._pose(g[:, :1].expand_as(c.act_s[:, 0]), c.act_s[:, 0])  # [B,F]
+        one_xy, one_yaw = self._pose(g[:, 1:], c.act_s[:, 1:, 0])  # [B,G-1]: groups 1..
+        moving = self._group_flag(c, c.moving)
+        gv = g[:, 1:V]
+        v, a = s.veh, self.veh0
+        v.xy[:, a:] = torch.cat((cars_xy, one_xy[:, :V - 1]), 1)
+        v.yaw[:, a:] = torch.cat((cars_yaw, one_yaw[:, :V - 1]), 1)
+        v.speed[:, a:] = torch.cat((c.act_v[:, 0], torch.where(moving[:, 1:V], c.act_v[:, 1:V, 0], 0.0)), 1)
+        v.half[:, a:] = torch.cat((c.act_half[:, 0], tab.actor_half[gv]), 1)
+        v.valid[:, a:] = torch.cat((c.act_alive[:, 0], c.act_alive[:, 1:V, 0]), 1)
+        v.lights[:, a:] = 0
+        v.lights[:, a + c.act_s.shape[2]:] = torch.where(tab.emergency[gv], LIGHT_EMERGENCY, 0).to(v.lights.dtype)
+        p, gw = s.ped, g[:, V:]
+        p.xy[:, self.ped0:] = one_xy[:, V - 1:]
+        p.yaw[:, self.ped0:] = one_yaw[:, V - 1:]
+        p.speed[:, self.ped0:] = c.act_v[:, V:, 0]
+        p.moving[:, self.ped0:] = moving[:, V:]
+        p.valid[:, self.ped0:] = c.act_alive[:, V:, 0]
         o = s.statics
-        gw = g[:, walkers]
         o.xy[:, self.sta0:] = tab.blocker_xy[gw]
         o.yaw[:, self.sta0:] = tab.blocker_yaw[gw]
         o.half[:, self.sta0:] = o.half.new_tensor(DOC_BLOCKER_HALF).expand(*gw.shape, 2)
-        o.valid[:, self.sta0:] = tab.blocker_on[gw] & (self._group_status(c)[:, walkers] != DONE) & ~self._group_flag(
-            c, c.fin_m < math.inf)[:, walkers]
+        o.valid[:, self.sta0:] = tab.blocker_on[gw] & (self._group_status(c)[:, V:] != DONE) & ~self._group_flag(
+            c, c.fin_m < math.inf)[:, V:]
 
     @staticmethod
     def _vehicle_slots(x: Tensor) -> Tensor:
@@ -338,21 +336,8 @@ class RouteScenarios(Part):
         return self._vehicle_slots(xy), self._vehicle_slots(yaw), self._vehicle_slots(gone)
 
     def _pose(self, g: Tensor, s_along: Tensor) -> tuple[Tensor, Tensor]:
-        """Position and heading at arc length ``s_along`` on the paths of table rows ``g``."""
-        path = self.tab.path
-        P = path.shape[1]
-        f = s_along.clamp(min=0.0)
-        i = f.floor().long().clamp(0, P - 2)
-        t = (f - i).clamp(0.0, 1.0).unsqueeze(-1)
-        flat = path.reshape(-1, 2)
-        base = g * P + i
-        p0, p1 = flat[base], flat[base + 1]
-        d = p1 - p0
-        # a path's padding repeats its last point: keep the last segment's heading there
-        last = self.tab.path_len[g].long().clamp(1, P - 1)
-        dl = flat[g * P + last] - flat[g * P + last - 1]
-        d = torch.where((d.norm(dim=-1, keepdim=True) < 1e-6), dl, d)
-        return p0 + (p1 - p0) * t, torch.atan2(d[..., 1], d[..., 0])
+        """Position and heading at arc length ``s_along`` on the paths of table rows ``g`` (1 m points)."""
+        return polyline_pose(self.tab.path, g, s_along, self.tab.path_last[g])
 
     def close(self) -> None:
         """Release what the scenarios hold outside this process (a server's actors); nothing here."""
@@ -418,7 +403,8 @@ class RouteScenarios(Part):
         shown[:, len(VEHICLE_GROUPS):, 0] = s.ped.valid[:, self.ped0:]
         gone = (c.act_alive & ~shown).any(-1)  # [B,G]
         c.act_alive &= shown
-        c.collided |= self._scatter_k(c, gone)
+        c.hit |= self._scatter_k(c, gone)
+        c.collided |= c.hit
 
     def episode_info(self, s: SimState) -> dict[str, Tensor]:
         """``episode/scenarios/<type>/<outcome>``: per type, scenarios triggered, passed (ended without a collision

@@ -29,6 +29,7 @@ class ScenarioState:
     fin_m: Tensor  # [B,K] route metres when its actors finished (inf: not yet)
     moving: Tensor  # [B,K] bool: its actor has started to move
     collided: Tensor  # [B,K] bool: the ego collided while it was live, or hit its actor
+    hit: Tensor  # [B,K] bool: the ego hit one of its actors (the rules removed it): the actors react (scenarios.md)
     timed_out: Tensor  # [B,K] bool
     preempted: Tensor  # [B,K] bool: ended because a later one of its slot group activated
     patch: Tensor  # [B,K] long: ControlLoss's next debris patch (3: none left)
