@@ -44,10 +44,9 @@ class CarlaScenarios(RouteScenarios):
         self.destroy()
         self.mirror(s)
 
-    def step(self, s: SimState, activate: bool = True) -> None:
-        super().step(s, activate)
-        if activate:
-            self.mirror(s)
+    def step(self, s: SimState) -> None:
+        super().step(s)
+        self.mirror(s)
 
     def refresh(self, s: SimState) -> None:
         """CARLA's actor source rewrites every slot from the server's reading: write the scenario actors again."""

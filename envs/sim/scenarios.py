@@ -75,8 +75,11 @@ class RouteScenarios(Part):
             act_half=half, next_gap=torch.zeros(B, G, device=dev),
             prev_collisions=torch.zeros(B, dtype=torch.long, device=dev),
             timeouts=torch.zeros(B, dtype=torch.long, device=dev))
-        if self.on:
-            self.step(s, activate=False)
+        if self.on:  # what a fresh episode shows before any activation: the blockers and the waiting cyclist
+            self._assign_groups(s)
+            g = self._group_scenario(s.scn)
+            self._show_singles(s.scn, g, torch.zeros_like(g, dtype=torch.bool))
+            self._write(s, g)
 
     # ------------------------------------------------------------------ the step
     def control(self, s: SimState, action: Tensor) -> Tensor:
@@ -102,18 +105,17 @@ class RouteScenarios(Part):
                           (lon + noise[:, 1] * st.cfg.max_accel / st.cfg.max_brake).clamp(max=0.0))
         return torch.stack((steer, lon), -1)
 
-    def step(self, s: SimState, activate: bool = True) -> None:
+    def step(self, s: SimState) -> None:
         """Activate, move, end; then write the actors into their slots (after the other actors moved)."""
         if not self.on:
             return
         c, tab, w, dt = s.scn, self.tab, self.setup.world, self.setup.cfg.dt
         route_m = w.route_cum[s.route_id, s.route_idx]
-        if activate:
-            ri = s.route_idx.unsqueeze(1)
-            fire = (c.status == PENDING) & (ri >= tab.act_first[c.scn]) & (ri <= tab.act_last[c.scn])
-            c.status = torch.where(fire, LIVE, c.status)
-            c.t_act = torch.where(fire, s.t.unsqueeze(1), c.t_act)
-            c.act_m = torch.where(fire, route_m.unsqueeze(1), c.act_m)
+        ri = s.route_idx.unsqueeze(1)
+        fire = (c.status == PENDING) & (ri >= tab.act_first[c.scn]) & (ri <= tab.act_last[c.scn])
+        c.status = torch.where(fire, LIVE, c.status)
+        c.t_act = torch.where(fire, s.t.unsqueeze(1), c.t_act)
+        c.act_m = torch.where(fire, route_m.unsqueeze(1), c.act_m)
         self._assign_groups(s)
         g = self._group_scenario(c)  # [B,G] table row each group shows
         live_g = self._group_status(c) == LIVE
@@ -122,8 +124,7 @@ class RouteScenarios(Part):
         tta = d / s.ego_speed.clamp(min=1e-3).unsqueeze(1)
         start = (c.status == LIVE) & ~c.moving & ((tta < tab.react[c.scn]) | (d < tab.min_dist[c.scn]))
         c.moving |= start & (tab.react[c.scn] > 0)
-        if activate:
-            self._move(s, g, live_g, dt, route_m)
+        self._move(s, g, live_g, dt, route_m)
         self._show_singles(c, g, live_g)
         self._end(s, route_m)
         self._write(s, self._group_scenario(c))
@@ -417,8 +418,8 @@ class RouteScenarios(Part):
         flags = torch.stack((c.status > PENDING, done_ok, c.collided, c.timed_out, c.preempted, c.status == PENDING),
                             -1) & real.unsqueeze(-1)  # [B,K,O]
         onehot = tab.type[c.scn].unsqueeze(-1) == torch.arange(len(SCENARIO_TYPES), device=c.scn.device)  # [B,K,T]
-        table = torch.einsum("bkt,bko->bto", onehot.float(), flags.float())
-        info = {f"episode/scenarios/{name}/{o}": table[:, i, j] for i, name in enumerate(SCENARIO_TYPES)
-                for j, o in enumerate(SCENARIO_OUTCOMES)}
+        table = torch.einsum("bkt,bko->tob", onehot.float(), flags.float()).flatten(0, 1).unbind(0)
+        keys = (f"episode/scenarios/{name}/{o}" for name in SCENARIO_TYPES for o in SCENARIO_OUTCOMES)
+        info = dict(zip(keys, table))
         info["episode/infractions/scenario_timeout"] = c.timeouts.float()
         return info
