@@ -216,12 +216,7 @@ class Expert:
         only_scenario = ~(threat & ~reckless).any(-1)  # never launched past pedestrians or the background traffic
         launch = (threat.any(-1) | stream) & only_scenario & ~(meets(rush, within) & counted).any(-1)
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
-        fast = (swept.any(1) & (a_speed > FAST)).any(-1)
-        # merging into a stream (it sweeps the path going the path's way): wait further back, to join it at speed
-        aligned = torch.cos(a_yaw.unsqueeze(1) - path_yaw.unsqueeze(2)) > 0.7  # [B,K,N]
-        merge = ((swept & aligned).any(1) & (a_speed > FAST)).any(-1)
-        back = torch.where(merge, torch.full_like(first, RUN_UP), torch.where(
-            fast, torch.full_like(first, HOLD_BACK), torch.full_like(first, 2.0)))
+        back, fast = _wait_back(swept, a_speed, a_yaw, path_yaw)
         # no safe launch, but stopping would not help: a stream's car closing in from behind, or a fast stream's
         # sweep nearer than the ego can stop (hard braking, 6 m/s^2): full throttle is the least bad
         vs = s.ego_speed
@@ -246,6 +241,17 @@ class Expert:
                                          | is_sign & ~s.stop_done.unsqueeze(1))
         # IDM halts ~2 m short of an obstacle: aim 1 m past the line point so the centre stops ~3 m before it
         return torch.where(must, (ahead - 1.0).clamp(min=0.0), torch.full_like(to_line, 1e3)).min(1).values
+
+
+def _wait_back(swept: Tensor, a_speed: Tensor, a_yaw: Tensor, path_yaw: Tensor) -> tuple[Tensor, Tensor]:
+    """How far short of the first point a threat sweeps (``swept`` [B,K,N]) the ego waits [B]: 2 m for slow actors,
+    :data:`HOLD_BACK` for a fast stream it crosses, :data:`RUN_UP` for one it merges into (the stream sweeps the
+    path going the path's way: the ego joins it at speed); and whether the stream is fast [B]."""
+    fast = swept.any(1) & (a_speed > FAST)  # [B,N]
+    aligned = torch.cos(a_yaw.unsqueeze(1) - path_yaw.unsqueeze(2)) > 0.7  # [B,K,N]
+    merge = ((swept & aligned).any(1) & fast).any(-1)
+    back = torch.where(merge, RUN_UP, torch.where(fast.any(-1), HOLD_BACK, 2.0))
+    return back, fast.any(-1)
 
 
 def _travel(v: Tensor, target: Tensor, accel: float, taus: Tensor) -> Tensor:

@@ -302,7 +302,8 @@ def _background_hooks(geo: _RouteGeo, roads: Roads, j_in: int, j_out: int, remov
     (lane, from, to) in metres along the lane."""
     lanes = [int(geo.lanes[j_in - 1]), *remove]
     lo, hi = [0.0] * len(lanes), [math.inf] * len(lanes)
-    for k in range(j_out, geo.walk(j_out, exit_m) + 1 if exit_m > 0 else j_out):  # the exit road's lanes, each up to exit_m from the junction
+    # the exit road's lanes, each up to exit_m from the junction
+    for k in range(j_out, geo.walk(j_out, exit_m) + 1 if exit_m > 0 else j_out):
         lane = int(geo.lanes[k])
         if roads.g.is_junction[lane]:
             break
@@ -428,7 +429,8 @@ def junction_flow(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int, rng: np
     out.update(path=path, path_junction=flags, speed=v, gap_lo=lo, gap_hi=hi, prefill=kind == RIGHT,
                light_junction=int(roads.g.light_junction[ego_light]), light_ego=ego_light, light_src=src_light,
                ego_red_s=GREEN_DELAY, timeout_s=SCENARIO_TIMEOUT, end_idx=geo.walk(j_out, JUNCTION_END_M),
-               **_background_hooks(geo, roads, j_in, j_out, remove, LEFT_EXIT_CLEAR if kind == LEFT else RIGHT_EXIT_CLEAR))
+               **_background_hooks(geo, roads, j_in, j_out, remove,
+                                   LEFT_EXIT_CLEAR if kind == LEFT else RIGHT_EXIT_CLEAR))
     return out
 
 

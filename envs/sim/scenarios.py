@@ -68,7 +68,8 @@ class RouteScenarios(Part):
             signs, half = torch.ones(B, K, 3, 2, device=dev), torch.ones(B, G, F, 2, device=dev)
         s.scn = ScenarioState(
             scn=scn, status=torch.zeros(B, K, dtype=torch.long, device=dev), t_act=zk.clone(), act_m=zk.clone(),
-            fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), hit=zb.clone(), timed_out=zb.clone(), preempted=zb.clone(),
+            fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), hit=zb.clone(), timed_out=zb.clone(),
+            preempted=zb.clone(),
             patch=torch.zeros(B, K, dtype=torch.long, device=dev), near=zb.clone(), signs=signs,
             owner=torch.full((B, G), K, dtype=torch.long, device=dev), act_s=torch.zeros(B, G, F, device=dev),
             act_v=torch.zeros(B, G, F, device=dev), act_alive=torch.zeros(B, G, F, dtype=torch.bool, device=dev),
@@ -236,7 +237,8 @@ class RouteScenarios(Part):
         unit = heading / heading.norm(dim=-1, keepdim=True).clamp(min=1e-6)
         xy = src.unsqueeze(2) + unit.unsqueeze(2) * back.unsqueeze(-1)
         two = (-1, -1, 2)
-        return xy, yaw.unsqueeze(-1).expand(two), tab.speed[g].unsqueeze(-1).expand(two), valid.unsqueeze(-1).expand(two)
+        return (xy, yaw.unsqueeze(-1).expand(two), tab.speed[g].unsqueeze(-1).expand(two),
+                valid.unsqueeze(-1).expand(two))
 
     def _show_singles(self, c: ScenarioState, g: Tensor, live_g: Tensor) -> None:
         """Single actors appear at activation (the cyclist before it, standing) until they finish or are hit."""

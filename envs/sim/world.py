@@ -150,9 +150,9 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
     lane_pts_t, route_lane_t, spacing_t = t(lane_pts), t(rt["route_lane"]), t(spacing, torch.float32)
     return World(
-        graph=graph, raster=raster, device=device,
-        lane_pts=lane_pts_t, lane_len=t(lens, torch.float32), lane_spacing=spacing_t,
-        lane_width=t(graph.width), lane_speed=t(graph.speed_limit), lane_junction=t(graph.is_junction),
+        graph=graph, raster=raster, device=device, lane_pts=lane_pts_t, lane_len=t(lens, torch.float32),
+        lane_spacing=spacing_t, lane_width=t(graph.width), lane_speed=t(graph.speed_limit),
+        lane_junction=t(graph.is_junction),
         lane_junction_id=t(np.where(graph.is_junction, graph.junction, -1), torch.long),
         lane_kerb=t(graph.right < 0), succ_off=t(graph.succ_offsets[:-1], torch.long),
         succ_count=t(np.diff(graph.succ_offsets), torch.long), succ_idx=t(graph.succ_index, torch.long),
@@ -164,8 +164,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
         group_phases=t(graph.light_num_phases, torch.long),
         num_junctions=int(max(graph.junction.max(initial=-1), graph.light_junction.max(initial=-1)) + 1),
         seg_start=t(seg_start, torch.float32), seg_end=t(seg_end, torch.float32), seg_lane=t(seg_lane, torch.long),
-        seg_width=t(graph.point_widths(), torch.float32),
-        crosswalks=t(graph.crosswalks),
+        seg_width=t(graph.point_widths(), torch.float32), crosswalks=t(graph.crosswalks),
         route_pts=t(rt["route_pts"]), route_cum=t(rt["route_cum"]), route_len=t(rt["route_len"]),
         route_n=t(rt["route_n"]), route_lane=route_lane_t,
         route_s=_route_arc(lane_pts_t, spacing_t, route_lane_t, rt["route_pts"], device),
