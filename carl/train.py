@@ -20,6 +20,7 @@ the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -108,18 +109,21 @@ def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, 
 # Signals
 # ------------------------------------------------------------------------------------------------------------------
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop finishes the current env step, saves last.pt and exits 0."""
+    """SIGINT/SIGTERM set a flag; the loop finishes the current env step, saves last.pt and exits 0. Once the
+    checkpoints are saved (the final evaluations, :meth:`at_once`) a signal stops at once."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name = ""
+        self.immediate = False
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C aborts at once
+        if self.immediate or (self.requested and signum == signal.SIGINT):  # a second Ctrl-C aborts at once
+            self.signal_name = signal.Signals(signum).name
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name
@@ -127,6 +131,15 @@ class StopRequest:
 
     def __call__(self) -> bool:
         return self.requested
+
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Inside, a signal stops at once (KeyboardInterrupt): for work after the checkpoints are saved."""
+        self.immediate = True
+        try:
+            yield
+        finally:
+            self.immediate = False
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -378,15 +391,22 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         say(f"{status}: saved {run_dir / 'last.pt'} (update {update}, {global_step:,} samples); "
             f"continue with: carl-train resume={run_dir}", flush=True)
     elif ctx.is_main:
-        final = evaluation.run("final", update, global_step)
-        if final is not None:
-            if headline(final) > best_ds:
-                best_ds = headline(final)
-                checkpoints.save("best.pt", update, global_step, best_ds)
-            checkpoints.save("last.pt", update, global_step, best_ds)
-            evaluation.baselines(final)
-        if cfg.logging.final_benchmark:
-            run_benchmark(cfg, run_dir, device)
+        try:  # the checkpoints are saved: a signal cuts the final evaluations short (never a checkpoint's write)
+            with stop.at_once():
+                final = evaluation.run("final", update, global_step)
+            if final is not None:
+                if headline(final) > best_ds:
+                    best_ds = headline(final)
+                    checkpoints.save("best.pt", update, global_step, best_ds)
+                checkpoints.save("last.pt", update, global_step, best_ds)
+                with stop.at_once():
+                    evaluation.baselines(final)
+            if cfg.logging.final_benchmark:
+                with stop.at_once():
+                    run_benchmark(cfg, run_dir, device)
+        except KeyboardInterrupt:
+            say(f"{stop.signal_name or 'an interrupt'}: the final evaluation stopped; the checkpoints in {run_dir} are "
+                f"saved (evaluate with: carl-eval policy={run_dir / 'best.pt'})", flush=True)
     tb.close()
     env.close()
     # every rank leaves together: a rank tearing down its process group while rank 0 still evaluates, or while

@@ -108,3 +108,32 @@ def test_sigint_saves_and_exits_zero(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert "SIGINT received" in err and "saved" in out and "resume=" in out
     assert torch.load(run_dir / "last.pt", weights_only=True)["update"] >= 1
+
+
+def test_a_signal_during_the_final_evaluation_stops_it_at_once(tmp_path: Path) -> None:
+    """After the last update the checkpoints are saved; SIGTERM during the final evaluation (episodes that would run
+    10^6 steps) ends the run at once, exit 0, with last.pt of the last update intact."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [*TINY, "++env.options.episode_length=1000000", "logging.eval_max_steps=1000000", "logging.eval_every=0",
+            f"run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "carl.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2:
+                    break
+            except (FileNotFoundError, RuntimeError, EOFError, KeyError):
+                pass
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the final evaluation
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "SIGTERM: the final evaluation stopped" in out
+    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2
