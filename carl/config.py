@@ -593,6 +593,30 @@ def cpu_has_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or amx())
 
 
+def cpu_line() -> str:
+    """The CPU a figure was measured on, as every figure must name it (the same code runs up to 4x slower on one
+    2-core machine than on another): model, family and model numbers (VMs often hide the full name), the CPUs this
+    process may use, the vector ISA torch dispatches to and native bf16; e.g. ``AMD EPYC (family 25 model 1), 2 CPUs,
+    AVX2, bf16: no``."""
+    import os
+    import platform
+
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:  # not Linux
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info and "model" in info else ""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{name}{family}, {cpus} CPUs, {torch.backends.cpu.get_cpu_capability()}, "
+            f"bf16: {'yes' if cpu_has_bf16() else 'no'}")
+
+
 def use_bf16(cfg: TrainConfig, on_cuda: bool) -> bool:
     """``parallel.bf16`` resolved for the device: true/false as given, ``auto`` = where the hardware has it."""
     if cfg.parallel.bf16 == "auto":

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from envs import make_env  # noqa: E402
+from carl.config import cpu_line  # noqa: E402
 
 
 TOWNS = ("Town01", "Town02", "Town03", "Town04", "Town05", "Town06", "Town07", "Town10HD")
@@ -85,7 +86,8 @@ def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
             "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
             "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
-            "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum())}
+            "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum()),
+            "cpu": cpu_line()}
 
 
 def bench_highway_env(seconds: float) -> dict | None:

@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carl.config import ConfigError, TrainConfig, check_device, use_bf16  # noqa: E402
+from carl.config import ConfigError, TrainConfig, check_device, cpu_line, use_bf16  # noqa: E402
 from carl.monitor import PhaseTimer  # noqa: E402
 from carl.policy import CarlPolicy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
@@ -91,6 +91,7 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         "update_s": round(phases["update"] / updates, 3),
         "threads": torch.get_num_threads(),
         "bf16": bf16,
+        "cpu": cpu_line(),
     }
 
 

@@ -334,3 +334,23 @@ def test_help_lists_every_training_key_with_its_help() -> None:
     for key, _, help_ in describe_fields(TrainConfig) + describe_fields(SimConfig, "env.options"):
         assert help_, f"{key} has no help"
         assert f"  {key} = " in text, key
+
+
+def test_the_cpu_line_names_what_figures_depend_on() -> None:
+    """The CPU line names the first ``model name`` of /proc/cpuinfo (where there is one), the CPUs this process may
+    use, and the ISA torch dispatches to."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from carl.config import cpu_line
+
+    line = cpu_line()
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")]
+        if names:
+            assert line.startswith(names[0])
+    assert f", {len(os.sched_getaffinity(0))} CPUs, " in line
+    assert torch.backends.cpu.get_cpu_capability() in line and ("bf16: yes" in line or "bf16: no" in line)
