@@ -385,3 +385,17 @@ def test_junction_scenarios_clear_the_background_traffic(kind: str, to: str, rem
     env.scenarios.clear_background(env.state)
     valid = env.state.veh.valid[0, :len(cars)].tolist()
     assert valid == [False] * len(removed) + [True] * len(kept), list(zip(cars, valid))
+
+
+def test_same_direction_lanes_reach_both_sides() -> None:
+    """Three parallel eastbound lanes 0 (left) - 1 - 2 (right) and a westbound one: from the middle lane the
+    same-direction lanes are all three, from either edge too; the westbound lane has none but itself."""
+    from envs.sim.scenario_world import Roads, _same_direction
+
+    pts = lambda y: np.array([[0.0, y], [50.0, y]])  # noqa: E731
+    lanes = [Lane(points=pts(7.0), right=1), Lane(points=pts(3.5), left=0, right=2), Lane(points=pts(0.0), left=1),
+             Lane(points=pts(10.5)[::-1].copy())]
+    roads = Roads(LaneGraph.build("three", lanes, [], []))
+    assert sorted(_same_direction(roads, [1])) == [0, 1, 2]
+    assert sorted(_same_direction(roads, [0])) == [0, 1, 2]
+    assert sorted(_same_direction(roads, [2, 3])) == [0, 1, 2, 3]

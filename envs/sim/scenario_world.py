@@ -285,8 +285,10 @@ def _same_direction(roads: Roads, lanes: list[int]) -> list[int]:
     """``lanes`` and their same-direction neighbours (``get_same_dir_lanes``)."""
     out: list[int] = []
     for lane in lanes:
+        if lane not in out:
+            out.append(lane)
         for side in (roads.g.left, roads.g.right):
-            k = lane
+            k = int(side[lane])
             while k >= 0 and k not in out:
                 out.append(k)
                 k = int(side[k])
@@ -312,7 +314,9 @@ def _background_hooks(geo: _RouteGeo, roads: Roads, j_in: int, j_out: int, remov
         if lane in lanes:
             hi[lanes.index(lane)] = max(hi[lanes.index(lane)], reach)
         else:
-            lanes.append(lane), lo.append(0.0), hi.append(reach)
+            lanes.append(lane)
+            lo.append(0.0)
+            hi.append(reach)
     return dict(clear_junction=int(roads.g.junction[geo.lanes[j_in]]), clear_lane=np.array(lanes, np.int64),
                 clear_lo=np.array(lo), clear_hi=np.array(hi))
 
