@@ -90,22 +90,29 @@ def test_run_folder_precedence_and_working_directory(tmp_path: Path) -> None:
     assert (folder / "eval/final.json").is_file() and not (tmp_path / "outputs").exists()
 
 
-def test_sigint_saves_and_exits_zero(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _signal_run(args: list[str], ready, sig: int, wait: float) -> tuple[int, str, str]:  # noqa: ANN001
+    """Start ``carl.train`` with ``args``, send ``sig`` once ``ready()`` holds (60 s at most), return (code, out,
+    err) of a run that must end within ``wait`` seconds of the signal."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = [*TINY, "ppo.total_timesteps=100000", "logging.eval_episodes=0", f"run_dir={run_dir}"]
     proc = subprocess.Popen([sys.executable, "-m", "carl.train", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
-        while not (run_dir / "last.pt").exists() and time.time() < deadline and proc.poll() is None:
+        while not ready() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=wait)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+def test_sigint_saves_and_exits_zero(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*TINY, "ppo.total_timesteps=100000", "logging.eval_episodes=0", f"run_dir={run_dir}"]
+    code, out, err = _signal_run(args, (run_dir / "last.pt").exists, signal.SIGINT, 60)
+    assert code == 0, err
     assert "SIGINT received" in err and "saved" in out and "resume=" in out
     assert torch.load(run_dir / "last.pt", weights_only=True)["update"] >= 1
 
@@ -114,26 +121,19 @@ def test_a_signal_during_the_final_evaluation_stops_it_at_once(tmp_path: Path) -
     """After the last update the checkpoints are saved; SIGTERM during the final evaluation (episodes that would run
     10^6 steps) ends the run at once, exit 0, with last.pt of the last update intact."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = [*TINY, "++env.options.episode_length=1000000", "logging.eval_max_steps=1000000", "logging.eval_every=0",
             f"run_dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "carl.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2:
-                    break
-            except (FileNotFoundError, RuntimeError, EOFError, KeyError):
-                pass
-            time.sleep(0.2)
-        time.sleep(1.0)  # into the final evaluation
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+
+    def in_final_evaluation() -> bool:
+        try:
+            if torch.load(run_dir / "last.pt", weights_only=True)["update"] != 2:
+                return False
+        except (FileNotFoundError, RuntimeError, EOFError, KeyError):
+            return False
+        time.sleep(1.0)  # last.pt of the last update is written just before the final evaluation starts
+        return True
+
+    code, out, err = _signal_run(args, in_final_evaluation, signal.SIGTERM, 30)
+    assert code == 0, err
     assert "SIGTERM: the final evaluation stopped" in out
     assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2
