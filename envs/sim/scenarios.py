@@ -302,7 +302,7 @@ class RouteScenarios(Part):
         v.yaw[:, a:] = torch.cat((cars_yaw, one_yaw[:, :V - 1]), 1)
         v.speed[:, a:] = torch.cat((c.act_v[:, 0], torch.where(moving[:, 1:V], c.act_v[:, 1:V, 0], 0.0)), 1)
         v.half[:, a:] = torch.cat((c.act_half[:, 0], tab.actor_half[gv]), 1)
-        v.valid[:, a:] = torch.cat((c.act_alive[:, 0], c.act_alive[:, 1:V, 0]), 1)
+        v.valid[:, a:] = self._vehicle_slots(c.act_alive)
         v.lights[:, a:] = 0
         v.lights[:, a + c.act_s.shape[2]:] = torch.where(tab.emergency[gv], LIGHT_EMERGENCY, 0).to(v.lights.dtype)
         p, gw = s.ped, g[:, V:]
