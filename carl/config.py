@@ -52,18 +52,21 @@ class EnvConfig:
                                           factory=lambda: {"route_split": "eval"})
 
 
-MODEL_NAMES = ("carl",)  # model.name values this code builds (and rebuilds from files)
+MODEL_NAMES = ("carl", "set")  # model.name values this code builds (and rebuilds from files)
 
 
 @dataclass
 class ModelConfig:
-    """CaRL's network (carl/policy.py); the widths default to CaRL's (declared here only)."""
+    """The network: CaRL's BEV CNN (carl/policy.py; the widths default to CaRL's) or the set encoder for the vector
+    observation (carl/set_policy.py). Declared here only."""
 
-    name: str = option("carl", "the network", choices=MODEL_NAMES)
+    name: str = option("carl", "the network: carl (CaRL's BEV CNN, env.options.observation=bev) | set (set encoder, "
+                               "env.options.observation=vector)", choices=MODEL_NAMES)
     features_dim: int = option(256, "width of the shared feature (fusion output)", ge=1)
     hidden_dim: int = option(256, "width of the measurement MLP and the heads", ge=1)
     fusion_dim: int = option(512, "width of the fusion layer", ge=1)
     min_final_size: int = option(1, "the stride rule keeps the conv output at least this many pixels wide", ge=1)
+    embed_dim: int = option(32, "model=set: width of the per-entity MLP and of each pooled set", ge=1)
 
 
 @dataclass
@@ -539,6 +542,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         p.accumulation_steps < 1 or p.minibatch_size % p.accumulation_steps == 0,
         f"ppo.accumulation_steps={p.accumulation_steps} must divide ppo.minibatch_size={p.minibatch_size}",
     )
+    observation = (e.options or {}).get("observation", "bev")
+    wants = {"carl": "bev", "set": "vector"}[cfg.model.name] if cfg.model.name in MODEL_NAMES else observation
+    _require(observation == wants, f"model.name={cfg.model.name} reads the {wants} observation but "
+             f"env.options.observation={observation}; set env.options.observation={wants}, or model.name="
+             f"{'set' if observation == 'vector' else 'carl'}")
     dev = par.device
     _require(
         dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),

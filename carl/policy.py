@@ -158,66 +158,38 @@ class PolicyOutput:
     beta: torch.Tensor  # [B, A]
 
 
-class CarlPolicy(nn.Module):
-    """Shared-trunk actor-critic: (BEV, measurements) -> Beta(alpha, beta); + value measurements -> V."""
+class ActorCritic(nn.Module):
+    """What every carl network shares: a feature of the observation (:meth:`features`, the subclass's encoder), the
+    Beta policy head and the value head over the feature and the critic's value measurements, and the signature a
+    checkpoint records. ``INPUTS``: the observation keys the encoder reads (the value measurements beside them)."""
 
-    def __init__(
-        self,
-        observation_spec: dict[str, TensorSpec],
-        action_dim: int = 2,
-        features_dim: int = ModelConfig.features_dim,
-        hidden_dim: int = ModelConfig.hidden_dim,
-        fusion_dim: int = ModelConfig.fusion_dim,
-        min_final_size: int = ModelConfig.min_final_size,
-        action_names: tuple[str, ...] = (),
-    ) -> None:
-        super().__init__()
-        for key in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS):
-            if key not in observation_spec:
-                raise ValueError(f"observation spec lacks {key!r}; has {sorted(observation_spec)}")
-        c, h, w = observation_spec[OBS_BEV].shape
-        n_meas = observation_spec[OBS_MEASUREMENTS].shape[0]
-        n_vmeas = observation_spec[OBS_VALUE_MEASUREMENTS].shape[0]
-        self.obs_shapes = {k: tuple(observation_spec[k].shape) for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS)}
+    INPUTS: tuple[str, ...] = ()
+
+    def _build_heads(self, observation_spec: dict[str, TensorSpec], action_dim: int, features_dim: int,
+                     hidden_dim: int, action_names: tuple[str, ...]) -> None:
+        keys = (*self.INPUTS, OBS_VALUE_MEASUREMENTS)
+        missing = [k for k in keys if k not in observation_spec]
+        if missing:
+            raise ValueError(f"{type(self).__name__} reads observation keys {list(keys)}; the observation lacks "
+                             f"{missing} (it has {sorted(observation_spec)}): {self.NEEDS}")
+        self.obs_shapes = {k: tuple(observation_spec[k].shape) for k in keys}
         # what the inputs and outputs mean, as the env named them (TensorSpec.names; the bundle records them)
-        self.layout = {k: list(observation_spec[k].names) for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS)
-                       if observation_spec[k].names}
+        self.layout = {k: list(observation_spec[k].names) for k in keys if observation_spec[k].names}
         if action_names:
             self.layout["actions"] = list(action_names)
-        self.conv_plan = plan_conv_stack(c, h, w, min_final_size)
-
-        convs: list[nn.Module] = []
-        for layer in self.conv_plan:
-            convs += [
-                nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel, layer.stride),
-                nn.LayerNorm([layer.out_channels, *layer.out_size]),
-                nn.ReLU(inplace=True),
-            ]
-        self.cnn = nn.Sequential(*convs, nn.Flatten())
-        last = self.conv_plan[-1]
-        cnn_out = last.out_channels * last.out_size[0] * last.out_size[1]
-
-        self.measurement_mlp = _mlp([n_meas, hidden_dim, hidden_dim])
-        self.fusion = _mlp([cnn_out + hidden_dim, fusion_dim, features_dim])
+        n_vmeas = observation_spec[OBS_VALUE_MEASUREMENTS].shape[0]
         self.policy_head = _mlp([features_dim, hidden_dim, hidden_dim])
         self.alpha_out = nn.Linear(hidden_dim, action_dim)
         self.beta_out = nn.Linear(hidden_dim, action_dim)
         self.value_head = nn.Sequential(_mlp([features_dim + n_vmeas, hidden_dim, hidden_dim]), nn.Linear(hidden_dim, 1))
 
-        for m in self.cnn.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.xavier_uniform_(m.weight, gain=nn.init.calculate_gain("relu"))
-                nn.init.constant_(m.bias, 0.1)
+    NEEDS = ""  # how to get the observation this network reads (for the error above)
 
     # -- signature used by checkpoints ----------------------------------------------------------------------------
     def signature(self) -> dict:
-        """What a checkpoint must match to be loadable into this model (obs shapes and layer sizes), plus the names of
-        the inputs and actions (``layout``: BEV channels, measurements, value measurements, actions) where known."""
-        out = {
-            "obs_shapes": {k: list(v) for k, v in self.obs_shapes.items()},
-            "conv": [[l.out_channels, l.kernel, l.stride] for l in self.conv_plan],
-            "num_params": self.num_params(),
-        }
+        """What a checkpoint must match to be loadable into this model (obs shapes and the parameter count), plus the
+        names of the inputs and actions (``layout``) where known."""
+        out = {"obs_shapes": {k: list(v) for k, v in self.obs_shapes.items()}, "num_params": self.num_params()}
         if self.layout:
             out["layout"] = {k: list(v) for k, v in self.layout.items()}
         return out
@@ -225,13 +197,13 @@ class CarlPolicy(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def describe(self) -> str:
+        """One line for the start-of-run banner."""
+        return f"{type(self).__name__} {self.num_params() / 1e6:.2f}M params"
+
     # -- forward ----------------------------------------------------------------------------------------------------
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        # channels-last activations: measured 1.1-1.4x faster convolutions on CPU (fp32 and bf16)
-        bev = (obs[OBS_BEV].float() / 255.0).contiguous(memory_format=torch.channels_last)
-        img = self.cnn(bev)
-        meas = self.measurement_mlp(obs[OBS_MEASUREMENTS].float())
-        return self.fusion(torch.cat([img, meas], dim=-1))
+        raise NotImplementedError
 
     def _heads(self, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.policy_head(feat)
@@ -276,14 +248,71 @@ class CarlPolicy(nn.Module):
         return beta_mean_action(alpha.float(), beta.float())
 
 
-def describe(policy: CarlPolicy) -> str:
-    """One line: parameter count and the conv plan, e.g. for the start-of-run banner."""
-    plan = " ".join(f"{l.out_channels}k{l.kernel}s{l.stride}" for l in policy.conv_plan)
-    last = policy.conv_plan[-1].out_size
-    return f"CarlPolicy {policy.num_params() / 1e6:.2f}M params; conv {plan} -> {last[0]}x{last[1]}"
+class CarlPolicy(ActorCritic):
+    """Shared-trunk actor-critic: (BEV, measurements) -> Beta(alpha, beta); + value measurements -> V."""
+
+    INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
+    NEEDS = "CaRL's CNN (model=carl) reads the BEV: use env.options.observation=bev, or model=set for the vector one"
+
+    def __init__(
+        self,
+        observation_spec: dict[str, TensorSpec],
+        action_dim: int = 2,
+        features_dim: int = ModelConfig.features_dim,
+        hidden_dim: int = ModelConfig.hidden_dim,
+        fusion_dim: int = ModelConfig.fusion_dim,
+        min_final_size: int = ModelConfig.min_final_size,
+        action_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self._build_heads(observation_spec, action_dim, features_dim, hidden_dim, action_names)
+        c, h, w = observation_spec[OBS_BEV].shape
+        n_meas = observation_spec[OBS_MEASUREMENTS].shape[0]
+        self.conv_plan = plan_conv_stack(c, h, w, min_final_size)
+
+        convs: list[nn.Module] = []
+        for layer in self.conv_plan:
+            convs += [
+                nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel, layer.stride),
+                nn.LayerNorm([layer.out_channels, *layer.out_size]),
+                nn.ReLU(inplace=True),
+            ]
+        self.cnn = nn.Sequential(*convs, nn.Flatten())
+        last = self.conv_plan[-1]
+        cnn_out = last.out_channels * last.out_size[0] * last.out_size[1]
+
+        self.measurement_mlp = _mlp([n_meas, hidden_dim, hidden_dim])
+        self.fusion = _mlp([cnn_out + hidden_dim, fusion_dim, features_dim])
+
+        for m in self.cnn.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.xavier_uniform_(m.weight, gain=nn.init.calculate_gain("relu"))
+                nn.init.constant_(m.bias, 0.1)
+
+    def signature(self) -> dict:
+        """The shared signature and the conv layer plan (else the code's stride rule changed)."""
+        return {**super().signature(), "conv": [[l.out_channels, l.kernel, l.stride] for l in self.conv_plan]}
+
+    def describe(self) -> str:
+        plan = " ".join(f"{l.out_channels}k{l.kernel}s{l.stride}" for l in self.conv_plan)
+        last = self.conv_plan[-1].out_size
+        return f"CarlPolicy {self.num_params() / 1e6:.2f}M params; conv {plan} -> {last[0]}x{last[1]}"
+
+    def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        # channels-last activations: measured 1.1-1.4x faster convolutions on CPU (fp32 and bf16)
+        bev = (obs[OBS_BEV].float() / 255.0).contiguous(memory_format=torch.channels_last)
+        img = self.cnn(bev)
+        meas = self.measurement_mlp(obs[OBS_MEASUREMENTS].float())
+        return self.fusion(torch.cat([img, meas], dim=-1))
+
+
+def describe(policy: ActorCritic) -> str:
+    """One line: the network and its size, e.g. for the start-of-run banner."""
+    return policy.describe()
 
 
 __all__ = [
+    "ActorCritic",
     "CARL_CONV_TABLE",
     "CarlPolicy",
     "PolicyOutput",
@@ -298,7 +327,7 @@ __all__ = [
 
 
 def make_policy(observation_spec: dict[str, TensorSpec], action_names: tuple[str, ...] = (),
-                model: ModelConfig | dict | None = None) -> CarlPolicy:
+                model: ModelConfig | dict | None = None) -> ActorCritic:
     """The policy for an env's observations and actions and a ``model`` config (a :class:`ModelConfig` or its dict,
     as checkpoints store it; missing widths are the defaults): the one road from a config to a network, for
     training, bundles and benchmarks."""
@@ -306,5 +335,10 @@ def make_policy(observation_spec: dict[str, TensorSpec], action_names: tuple[str
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         model = ModelConfig(**{k: v for k, v in model.items() if k in known})
     m = model or ModelConfig()
+    if m.name == "set":
+        from carl.set_policy import SetPolicy  # it builds on this module's base class
+
+        return SetPolicy(observation_spec, len(action_names) or 2, int(m.features_dim), int(m.hidden_dim),
+                         int(m.fusion_dim), int(m.embed_dim), action_names=tuple(action_names))
     return CarlPolicy(observation_spec, len(action_names) or 2, int(m.features_dim), int(m.hidden_dim),
                       int(m.fusion_dim), int(m.min_final_size), action_names=tuple(action_names))

@@ -40,7 +40,7 @@ class TensorSpec:
     low: float = float("-inf")
     high: float = float("inf")
     names: tuple[str, ...] = ()  # what each index of the first dimension holds (BEV channels, measurement fields,
-    # action components); () = unnamed
+    # action components), or of the last one for an entity set [count, features]; () = unnamed
 
 
 @dataclass
@@ -78,6 +78,31 @@ NUPLAN_MEASUREMENTS = ("last_acceleration", "last_steering", "velocity_x_mps", "
                        "steering_rate_radps", "yaw_rate_radps", "yaw_acceleration_radps2")
 NUPLAN_VALUE_MEASUREMENTS = ("time_left", "progress_left", "comfort_score", "ttc_score")
 
+# The vector observation (env.options.observation=vector, envs/sim/vector_obs.py; a set-encoder policy, model=set):
+# CaRL's measurements and value measurements, and one padded set per entity type, float32 [count, features], in the
+# ego frame (x forward, y left, m; yaw relative to the ego's), nearest first, whose last feature is the validity flag
+# (padding rows are all zero). Counts and radii: env.options.vector. Units are in the names (_m, _mps, _s).
+LAYOUT_VECTOR = "vector"
+OBS_ROUTE, OBS_LANES, OBS_VEHICLES = "route", "lanes", "vehicles"
+OBS_PEDESTRIANS, OBS_STATICS, OBS_STOPS = "pedestrians", "statics", "stops"
+VECTOR_FEATURES = {
+    # the route ahead, every vector.route_spacing m from the ego's route point: junction 1 inside a junction;
+    # lane_change +1 / -1 where the route changes to the lane on its left / right since the previous point
+    OBS_ROUTE: ("x_m", "y_m", "cos_yaw", "sin_yaw", "junction", "lane_change", "speed_limit_mps", "valid"),
+    # lane-centre points every vector.lane_spacing m within vector.lane_radius: the lane's direction there, width,
+    # speed limit, whether it is a junction lane, whether its right edge is the kerb (no same-direction lane there)
+    OBS_LANES: ("x_m", "y_m", "cos_yaw", "sin_yaw", "width_m", "speed_limit_mps", "junction", "kerb_right", "valid"),
+    OBS_VEHICLES: ("x_m", "y_m", "cos_yaw", "sin_yaw", "vx_mps", "vy_mps", "half_length_m", "half_width_m",
+                   "brake_light", "emergency", "valid"),
+    OBS_PEDESTRIANS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "vx_mps", "vy_mps", "valid"),
+    OBS_STATICS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "half_length_m", "half_width_m", "valid"),
+    # the next stop lines on the route (route metres ahead, the line's centre): the light's colour one-hot (all 0 for
+    # a stop sign), seconds of yellow left, a stop sign, and whether the ego has already stopped at that sign
+    OBS_STOPS: ("ahead_m", "x_m", "y_m", "green", "yellow", "red", "yellow_left_s", "stop_sign", "sign_obeyed",
+                "valid"),
+}
+VECTOR_SETS = tuple(VECTOR_FEATURES)  # the entity sets, in the observation's order
+
 # Action components, in the order of the action tensor (``BatchedEnv.action_spec.names``).
 ACTIONS = ("steer", "longitudinal")  # every backend's default: steer, throttle (> 0) / brake (< 0)
 NUPLAN_ACTIONS = ("accel", "steer")  # CaRL's nuPlan order (§16.1; env.options.action_order of env=nuplan)
@@ -92,7 +117,9 @@ ACTION_ALIASES = {"accel": "longitudinal"}
 LAYOUTS = {LAYOUT_CARLA: {OBS_BEV: BEV_CHANNELS, OBS_MEASUREMENTS: MEASUREMENTS,
                           OBS_VALUE_MEASUREMENTS: VALUE_MEASUREMENTS},
            LAYOUT_NUPLAN: {OBS_BEV: NUPLAN_BEV_CHANNELS, OBS_MEASUREMENTS: NUPLAN_MEASUREMENTS,
-                           OBS_VALUE_MEASUREMENTS: NUPLAN_VALUE_MEASUREMENTS}}
+                           OBS_VALUE_MEASUREMENTS: NUPLAN_VALUE_MEASUREMENTS},
+           LAYOUT_VECTOR: {OBS_MEASUREMENTS: MEASUREMENTS, OBS_VALUE_MEASUREMENTS: VALUE_MEASUREMENTS,
+                           **VECTOR_FEATURES}}
 
 
 def layout_of(bev_channels: tuple[str, ...] | list[str]) -> str:
@@ -101,7 +128,7 @@ def layout_of(bev_channels: tuple[str, ...] | list[str]) -> str:
     names = tuple(bev_channels)
     if not names:
         return LAYOUT_CARLA
-    return next((k for k, v in LAYOUTS.items() if v[OBS_BEV] == names), "custom")
+    return next((k for k, v in LAYOUTS.items() if v.get(OBS_BEV) == names), "custom")
 
 
 def action_permutation(source: tuple[str, ...] | list[str], target: tuple[str, ...] | list[str]) -> list[int]:

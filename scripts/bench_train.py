@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from carl.config import ConfigError, TrainConfig, check_device, cpu_line, use_bf16  # noqa: E402
 from carl.monitor import PhaseTimer  # noqa: E402
-from carl.policy import CarlPolicy  # noqa: E402
+from carl.policy import make_policy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
 from carl.cli import load_config  # noqa: E402
 from carl.train import build_env  # noqa: E402
@@ -31,6 +31,8 @@ from carl.train import build_env  # noqa: E402
 PRESETS: dict[str, list[str]] = {
     # the laptop preset as `make train` runs it, but only a few updates
     "quick": ["+experiment=quick"],
+    # its twin on the vector path: entity sets and the set-encoder policy (model=set)
+    "quick_vector": ["+experiment=quick_vector"],
     # CaRL's network at its native 10x256x256, few envs and steps so CPU finishes in about a minute
     "carl_256": [
         "+experiment=quick", "env.options.bev_size=256", "env.options.bev_ppm=2.0", "env.num_envs=4",
@@ -60,7 +62,7 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         print(f"[{name}] env {env_name!r} unavailable ({exc}); using the fake env", file=sys.stderr)
         env = make_fake_env(cfg.env.num_envs, dev, cfg.seed, bev_size=int(cfg.env.options.get("bev_size", 128)))
         env_name = "fake"
-    policy = CarlPolicy(env.observation_spec).to(dev)
+    policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(dev)
     timer = PhaseTimer(cuda_sync=dev.type == "cuda")
     check_device(cfg, torch.cuda.is_available())
     bf16 = use_bf16(cfg, dev.type == "cuda")
@@ -80,7 +82,8 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         "preset": name,
         "device": str(dev),
         "env": env_name,
-        "bev": list(env.observation_spec["bev"].shape),
+        "model": cfg.model.name,
+        "observation": {k: list(v.shape) for k, v in env.observation_spec.items()},
         "num_envs": cfg.env.num_envs,
         "num_steps": cfg.ppo.num_steps,
         "params": policy.num_params(),
@@ -100,12 +103,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--updates", type=int, default=2, help="timed updates per preset")
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
+    parser.add_argument("overrides", nargs="*", help="config overrides applied after each preset's, e.g. "
+                                                     "env.num_envs=512")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda requested but CUDA is not available")
     default = [p for p in PRESETS if args.device.startswith("cuda") or p not in GPU_ONLY]
     for name in args.preset or default:
-        print(json.dumps(bench(name, PRESETS[name], args.device, args.updates)), flush=True)
+        print(json.dumps(bench(name, [*PRESETS[name], *args.overrides], args.device, args.updates)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,37 @@ from envs.sim.criteria import RULES
 from envs.reward import RewardConfig
 
 @dataclass
+class VectorConfig:
+    """The vector observation's sizes (``observation=vector``, :mod:`envs.sim.vector_obs`): how many of each entity,
+    how far apart and how far out. Every set is padded to its count with a validity flag."""
+
+    route_points: int = 20  # route points ahead of the ego
+    route_spacing: float = 4.0  # m between consecutive route points (20 x 4 m: 80 m ahead)
+    lanes: int = 32  # nearest lane-centre points around the ego
+    lane_spacing: float = 5.0  # m between lane-centre points along a lane
+    lane_radius: float = 40.0  # m: lane points farther from the ego are masked
+    # nearest actors of each type (None: as many as the environment has slots, scenario actors' included)
+    vehicles: int | None = None
+    pedestrians: int | None = None
+    statics: int | None = None
+    actor_radius: float = 60.0  # m: actors farther from the ego are masked
+    stops: int = 2  # next stop lines (traffic lights, stop signs) on the route
+
+    def validate(self, prefix: str) -> None:
+        checks = Checks()
+        for key in ("route_points", "lanes", "vehicles", "pedestrians", "statics", "stops"):
+            n = getattr(self, key)
+            checks.need(n is None or 1 <= n <= 4096, f"{prefix}.{key}={n!r}: an entity count must be in [1, 4096]")
+        for key in ("route_spacing", "lane_spacing", "lane_radius", "actor_radius"):
+            v = getattr(self, key)
+            checks.need(0 < v <= 1000, f"{prefix}.{key}={v!r}: must be in (0, 1000] metres")
+        checks.done()
+
+
+OBSERVATIONS = ("bev", "vector")
+
+
+@dataclass
 class SimConfig:
     """Everything the simulator needs. Defaults: a small procedural world with light traffic."""
 
@@ -46,6 +77,10 @@ class SimConfig:
     # Leaderboard (LEADERBOARD_VEHICLES) per lane km, times the lane km around the ego, at most num_vehicles
     traffic_density: str = "fixed"
     # --- observation
+    # "bev": CaRL's 10-channel BEV (every CaRL preset) | "vector": object-level sets for a set-encoder policy
+    # (model=set; envs/sim/vector_obs.py, sizes in `vector`)
+    observation: str = "bev"
+    vector: VectorConfig = field(default_factory=VectorConfig)
     bev: bool = True  # draw the BEV (false: a zero BEV of the same shape, for speed)
     bev_size: int = 128  # BEV pixels per side (CaRL: 256)
     bev_ppm: float = 2.0  # BEV pixels per metre
@@ -83,6 +118,8 @@ class SimConfig:
             checks.need(cond, f"{prefix}.{key}={getattr(self, key)!r}: {fix}")
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
+        need(self.observation in OBSERVATIONS, "observation",
+             "use 'bev' (CaRL's BEV, model=carl) or 'vector' (object-level sets, model=set)")
         need(not self.map_weights or len(self.map_weights) == len(self.maps), "map_weights",
              f"give one weight per map of env.options.maps ({len(self.maps)} maps: {list(self.maps)}), or none for equal "
              "weights")
@@ -122,6 +159,7 @@ class SimConfig:
         need(not set(self.town_seeds) & set(self.eval_town_seeds), "eval_town_seeds",
              "held-out towns must differ from town_seeds")
         checks.run(self.reward.validate, f"{prefix}.reward")
+        checks.run(self.vector.validate, f"{prefix}.vector")
         checks.done()
         return self
 

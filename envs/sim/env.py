@@ -29,6 +29,7 @@ from envs.sim.rewards import CarlCarlaReward, Reward
 from envs.sim.rules import RULE_SETS, Rules, Tracking
 from envs.sim.scenarios import RouteScenarios
 from envs.sim.state import Setup, SimState, assign_rows
+from envs.sim.vector_obs import VectorObserver
 from envs.sim.world import LightFn, World, load_world
 
 
@@ -63,7 +64,12 @@ class SimEnv(BatchedEnv):
         self.lights = lights if lights is not None else LightCycle()
         self.rules = rules if rules is not None else RULE_SETS[cfg.rules]()
         self.reward = reward if reward is not None else CarlCarlaReward()
-        self.observer = observer if observer is not None else CarlaObserver()
+        if observer is None:
+            observer = VectorObserver() if cfg.observation == "vector" else CarlaObserver()
+        elif cfg.observation == "vector" and not isinstance(observer, VectorObserver):
+            raise ConfigError(f"env.options.observation=vector: this backend observes with {type(observer).__name__} "
+                              "and cannot build the vector observation; use env.options.observation=bev")
+        self.observer = observer
         self.metrics = tuple(metrics)
         self.scenarios = scenarios if scenarios is not None else RouteScenarios()
         if cfg.reward.mode != self.reward.mode:

@@ -1,0 +1,291 @@
+"""The vector observation: the batched state as padded entity sets in the ego frame, for a set-encoder policy.
+
+``env.options.observation=vector`` (sizes in ``env.options.vector``). Beside CaRL's measurements and value
+measurements it holds, nearest first and padded with a validity flag (``envs.api.VECTOR_FEATURES`` names every
+feature): the route ahead at fixed spacing with its junction and lane-change marks, the lane-centre points around the
+ego, the nearest vehicles, pedestrians and static objects, and the next stop lines on the route with their lights.
+It reads only the batched state and the world, so every backend that fills the state (the simulator, the CARLA
+worker, the nuPlan logs) gets it unchanged.
+
+Cheap by construction (the point of the vector path): the map side is compiled once per world into lookup tables,
+so a step costs gathers and one ``topk`` per actor type, with no search over the map:
+
+* lane points: each lane resampled every ``lane_spacing`` m; a grid of ``GRID_CELL_M`` cells holds, for each cell
+  centre, its ``lanes`` nearest points (``scipy``'s KD-tree, at build). A step gathers the ego's cell's list and masks
+  the points beyond ``lane_radius`` of the ego itself.
+* route: the route point at every whole metre of each route (a step adds the spacing and gathers), and a running
+  count of the route's lane changes to each side (a mark covers the whole interval since the previous point).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.spatial import cKDTree
+from torch import Tensor
+
+from envs.api import (LAYOUT_VECTOR, MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_PEDESTRIANS, OBS_ROUTE,
+                      OBS_STATICS, OBS_STOPS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES, VALUE_MEASUREMENTS,
+                      VECTOR_FEATURES, TensorSpec)
+from envs.config import ConfigError
+from envs.maps.lanegraph import CONTROL_STOP
+from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
+from envs.sim.config import VectorConfig
+from envs.sim.infractions import lane_measures
+from envs.sim.observation import measurements, upcoming_stop_lines, value_measurements
+from envs.sim.parts import Observer
+from envs.sim.world import LightFn, World
+
+F_ORIGIN = torch.tensor([[1.0], [0.0], [0.0]])  # which column pairs of ego_frame are positions (the first)
+GRID_CELL_M = 5.0  # m: the lane-point grid's cell (the nearest points are those of the cell centre, <= 3.6 m away)
+_TABLES: dict[tuple, "VectorMaps"] = {}  # per (world, sizes): worlds are immutable and shared, so are these
+
+
+@dataclass
+class VectorMaps:
+    """The map side of the vector observation, compiled once per world and sizes."""
+
+    lane_feat: Tensor  # [P+1, 9] x, y, cos, sin, width, speed limit, junction, kerb, 1 (last row: padding, all 0)
+    grid: Tensor  # [GX, GY] long: row of ``cell_points`` for each cell (the last row: no point near)
+    cell_points: Tensor  # [C+1, K] long: each cell's K nearest lane points, nearest first (P: none)
+    origin: Tensor  # [2] the grid's lower corner
+    route_at_m: Tensor  # [NR, M] long: the route point (flat over [NR, R]) at each whole metre of each route
+    route_feat: Tensor  # [NR * R, 8] x, y, cos, sin, junction, speed limit, lane changes to the left and to the right
+    # so far (running counts) at each route point
+
+
+def vector_maps(world: World, vc: VectorConfig) -> VectorMaps:
+    """The world's tables for sizes ``vc`` (built on first use, then shared)."""
+    key = (id(world), vc.lanes, vc.lane_spacing, vc.lane_radius)
+    if key not in _TABLES:
+        _TABLES[key] = _build(world, vc)
+    return _TABLES[key]
+
+
+def _lane_points(world: World, spacing: float) -> np.ndarray:
+    """Every lane's centre every ``spacing`` m (its last point included): [P, 8] as ``VectorMaps.lane_feat``."""
+    pts = world.lane_pts.cpu().numpy()
+    lens, lane_sp = world.lane_len.cpu().numpy(), world.lane_spacing.cpu().numpy()
+    n = np.maximum(2, np.round(lens / np.maximum(lane_sp, 1e-6)).astype(np.int64) + 1)  # valid resampled points
+    step = np.maximum(1, np.round(spacing / np.maximum(lane_sp, 1e-6)).astype(np.int64))
+    count = (n - 1 + step - 1) // step + 1  # 0, step, 2 step, ..., and the last point
+    lane = np.repeat(np.arange(len(n)), count)
+    first = np.cumsum(count) - count
+    j = np.arange(count.sum()) - np.repeat(first, count)
+    idx = np.minimum(j * step[lane], n[lane] - 1)
+    prev = np.maximum(np.minimum(idx, n[lane] - 2), 0)
+    d = pts[lane, prev + 1] - pts[lane, prev]
+    d = d / np.maximum(np.linalg.norm(d, axis=-1, keepdims=True), 1e-6)
+    cols = [pts[lane, idx, 0], pts[lane, idx, 1], d[:, 0], d[:, 1]] + [
+        x.cpu().numpy()[lane].astype(np.float32) for x in (world.lane_width, world.lane_speed, world.lane_junction,
+                                                           world.lane_kerb)]
+    return np.stack(cols, -1).astype(np.float32)
+
+
+def _cell_table(xy: np.ndarray, k: int, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(origin [2], grid [GX, GY], cell points [C+1, k]): the ``k`` nearest of points ``xy`` to each cell centre,
+    within ``radius`` plus the cell's half diagonal; cells with none share the last (empty) row."""
+    reach = radius + GRID_CELL_M * math.sqrt(0.5)
+    origin = xy.min(0) - reach
+    shape = np.ceil((xy.max(0) + reach - origin) / GRID_CELL_M).astype(np.int64) + 1
+    tree = cKDTree(xy)
+    gx, gy = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
+    centres = origin + (np.stack((gx.ravel(), gy.ravel()), -1) + 0.5) * GRID_CELL_M
+    near = tree.query_ball_point(centres, reach, return_length=True) > 0
+    rows = np.full(len(centres), int(near.sum()), np.int64)
+    rows[near] = np.arange(int(near.sum()))
+    _, idx = tree.query(centres[near], k=min(k, len(xy)), distance_upper_bound=reach)
+    idx = np.asarray(idx, np.int64).reshape(int(near.sum()), -1)  # misses come back as len(xy): the padding row
+    table = np.full((int(near.sum()) + 1, k), len(xy), np.int64)
+    table[:-1, :idx.shape[1]] = idx
+    return origin.astype(np.float32), rows.reshape(shape), table
+
+
+def _route_tables(world: World) -> tuple[np.ndarray, np.ndarray]:
+    """(route point at each whole metre [NR, M], flat over [NR, R]; route features [NR * R, 8]). A lane
+    change is a step to the lane's left / right neighbour, or to a lane that is no successor (then its side is the
+    side the route moves to over the next 5 points)."""
+    g = world.graph
+    lane = world.route_lane.cpu().numpy()
+    pts, cum = world.route_pts.cpu().numpy(), world.route_cum.cpu().numpy()
+    n = world.route_n.cpu().numpy()
+    a, b = lane[:, :-1], lane[:, 1:]
+    L = g.num_lanes
+    succ_pairs = np.repeat(np.arange(L), np.diff(g.succ_offsets)) * L + g.succ_index
+    is_succ = np.isin(a * L + b, succ_pairs)
+    heading = pts[:, 1:] - pts[:, :-1]
+    ahead = pts[:, np.minimum(np.arange(1, pts.shape[1]) + 5, pts.shape[1] - 1)] - pts[:, :-1]
+    side = np.sign(heading[..., 0] * ahead[..., 1] - heading[..., 1] * ahead[..., 0])
+    left = (b == g.left[a]) | ((a != b) & ~is_succ & (b != g.right[a]) & (side > 0))
+    right = (b == g.right[a]) | ((a != b) & ~is_succ & (b != g.left[a]) & (side < 0))
+    valid = np.arange(1, pts.shape[1])[None] < n[:, None]
+    zero = np.zeros((len(n), 1), np.int64)
+    left_cum = np.concatenate((zero, np.cumsum(left & (a != b) & valid, 1)), 1)
+    right_cum = np.concatenate((zero, np.cumsum(right & (a != b) & valid, 1)), 1)
+    metres = int(np.ceil(cum.max())) + 1
+    R = pts.shape[1]
+    at_m = np.stack([np.minimum(np.searchsorted(c[:k], np.arange(metres), side="right") - 1, k - 1) + i * R
+                     for i, (c, k) in enumerate(zip(cum, n))])
+    k1 = np.minimum(np.arange(R)[None] + 1, n[:, None] - 1)
+    k0 = np.maximum(k1 - 1, 0)
+    rows = np.arange(len(n))[:, None]
+    d = pts[rows, k1] - pts[rows, k0]
+    d = d / np.maximum(np.linalg.norm(d, axis=-1, keepdims=True), 1e-6)
+    feat = np.concatenate((pts, d, world.route_junction.cpu().numpy()[..., None],
+                           world.lane_speed.cpu().numpy()[lane][..., None], left_cum[..., None],
+                           right_cum[..., None]), -1)
+    return at_m, feat.reshape(-1, 8).astype(np.float32)
+
+
+def _build(world: World, vc: VectorConfig) -> VectorMaps:
+    dev = world.device
+    feat = _lane_points(world, vc.lane_spacing)
+    origin, grid, table = _cell_table(feat[:, :2].astype(np.float64), vc.lanes, vc.lane_radius)
+    feat = np.concatenate((feat, np.ones((len(feat), 1), np.float32)), 1)  # the validity flag
+    feat = np.concatenate((feat, np.zeros((1, feat.shape[1]), np.float32)))  # the padding point: all zero
+    at_m, route_feat = _route_tables(world)
+    t = lambda x: torch.as_tensor(x, device=dev)  # noqa: E731
+    return VectorMaps(lane_feat=t(feat), grid=t(grid), cell_points=t(table), origin=t(origin), route_at_m=t(at_m),
+                      route_feat=t(route_feat))
+
+
+def to_ego(xy: Tensor, ego_xy: Tensor, ego_yaw: Tensor) -> Tensor:
+    """World points [B, N, 2] in the frames of the egos [B, 2], [B] (x forward, y left)."""
+    c, s = torch.cos(ego_yaw).unsqueeze(1), torch.sin(ego_yaw).unsqueeze(1)
+    d = xy - ego_xy.unsqueeze(1)
+    return torch.stack((c * d[..., 0] + s * d[..., 1], c * d[..., 1] - s * d[..., 0]), -1)
+
+
+def ego_frame(f: Tensor, ego_xy: Tensor, ego_yaw: Tensor, pairs: int) -> Tensor:
+    """Features [B, N, F] whose first column pair is a world position and the next ``pairs - 1`` pairs world
+    vectors (headings, velocities), the rest frame-free, in the egos' frames (every pair rotated at once)."""
+    B, N, F = f.shape
+    p = f[..., :2 * pairs].view(B, N, pairs, 2)
+    p = p - F_ORIGIN[:pairs].to(f) * ego_xy.view(B, 1, 1, 2)  # only the position moves with the ego
+    c, s = torch.cos(ego_yaw).view(B, 1, 1), torch.sin(ego_yaw).view(B, 1, 1)
+    x, y = p[..., 0], p[..., 1]
+    rotated = torch.stack((c * x + s * y, c * y - s * x), -1).view(B, N, 2 * pairs)
+    return torch.cat((rotated, f[..., 2 * pairs:]), -1)
+
+
+def _within(f: Tensor, radius: float) -> Tensor:
+    """Ego-frame features [B, N, F] (x, y first, the validity flag last) with the rows beyond ``radius`` zeroed."""
+    near = f[..., :2].square().sum(-1, keepdim=True) <= radius * radius
+    return f * near
+
+
+class VectorObserver(Observer):
+    """The vector observation (module docstring); the critic keeps CaRL's value measurements."""
+
+    layout = LAYOUT_VECTOR
+
+    def bind(self, setup) -> None:  # noqa: ANN001 - Setup
+        super().bind(setup)
+        vc = setup.cfg.vector
+        held = {"vehicles": setup.num_vehicles, "pedestrians": setup.num_pedestrians, "statics": setup.num_statics}
+        over = [f"env.options.vector.{k}={getattr(vc, k)} is more than the {n} {k} slots each environment holds: use "
+                f"at most {n}, or leave it unset for all of them (or raise env.options.num_{k})"
+                for k, n in held.items() if getattr(vc, k) is not None and getattr(vc, k) > n]
+        if over:
+            raise ConfigError(over)
+        self.counts = {OBS_ROUTE: vc.route_points, OBS_LANES: vc.lanes, OBS_STOPS: vc.stops,
+                       **{key: getattr(vc, k) or held[k] for key, k in ((OBS_VEHICLES, "vehicles"),
+                                                                          (OBS_PEDESTRIANS, "pedestrians"),
+                                                                          (OBS_STATICS, "statics"))}}
+        self.maps = vector_maps(setup.world, vc)
+        self.offsets = torch.arange(1, vc.route_points + 1, device=setup.device) * vc.route_spacing
+
+    def spec(self) -> dict[str, TensorSpec]:
+        spec = {OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
+                OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
+                                                   names=VALUE_MEASUREMENTS)}
+        spec.update({k: TensorSpec((n, len(VECTOR_FEATURES[k])), torch.float32, names=VECTOR_FEATURES[k])
+                     for k, n in self.counts.items()})
+        return spec
+
+    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
+        w, cfg = self.setup.world, self.setup.cfg
+        if speed_limit is None:
+            speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]
+        return {OBS_MEASUREMENTS: measurements(s, speed_limit),
+                OBS_VALUE_MEASUREMENTS: value_measurements(w, s, cfg, cfg.reward),
+                OBS_ROUTE: self.route(s), OBS_LANES: self.lanes(s), **self.actors(s), OBS_STOPS: self.stops(s, lights)}
+
+    def route(self, s) -> Tensor:  # noqa: ANN001
+        """The route every ``route_spacing`` m ahead of the ego's route point; invalid past the route's end."""
+        w, m = self.setup.world, self.maps
+        B, N = s.route_id.shape[0], self.offsets.shape[0]
+        at = w.route_cum[s.route_id, s.route_idx].unsqueeze(1) + self.offsets  # [B, N] route metres
+        valid = (at <= w.route_len[s.route_id].unsqueeze(1)).unsqueeze(-1).float()
+        k = m.route_at_m[s.route_id.unsqueeze(1), at.long().clamp(max=m.route_at_m.shape[1] - 1)]
+        here = (s.route_id * w.route_pts.shape[1] + s.route_idx).unsqueeze(1)
+        f = m.route_feat.index_select(0, torch.cat((here, k), 1).view(-1)).view(B, N + 1, 8)
+        turns = (f[:, 1:, 6:] > f[:, :-1, 6:]).float()  # a lane change since the previous point, to the left / right
+        pose = ego_frame(f[:, 1:, :6], s.ego_xy, s.ego_yaw, 2)  # x, y, cos, sin, junction, speed limit
+        return torch.cat((pose[..., :5], turns[..., :1] - turns[..., 1:], pose[..., 5:], torch.ones_like(valid)),
+                         -1) * valid
+
+    def lanes(self, s) -> Tensor:  # noqa: ANN001
+        """The ego's grid cell's nearest lane points, masked beyond ``lane_radius`` of the ego."""
+        m = self.maps
+        GX, GY = m.grid.shape
+        cell = ((s.ego_xy - m.origin) / GRID_CELL_M).long()
+        inside = (cell >= 0).all(-1) & (cell[:, 0] < GX) & (cell[:, 1] < GY)
+        row = m.grid.view(-1)[(cell[:, 0].clamp(0, GX - 1) * GY + cell[:, 1].clamp(0, GY - 1))]
+        row = torch.where(inside, row, torch.full_like(row, m.cell_points.shape[0] - 1))
+        idx = m.cell_points.index_select(0, row)  # [B, K]
+        B, K = idx.shape
+        f = m.lane_feat.index_select(0, idx.view(-1)).view(B, K, -1)  # the padding point is all zero
+        return _within(ego_frame(f, s.ego_xy, s.ego_yaw, 2), self.setup.cfg.vector.lane_radius)
+
+    def actors(self, s) -> dict[str, Tensor]:  # noqa: ANN001
+        """The nearest vehicles, pedestrians and static objects within ``actor_radius`` (all of them, in slot order,
+        where the set holds every slot)."""
+        v, p, o = s.veh, s.ped, s.statics
+        col = lambda x: x.unsqueeze(-1).float()  # noqa: E731
+        heading = lambda a: torch.stack((torch.cos(a.yaw), torch.sin(a.yaw)), -1)  # noqa: E731
+        v_dir, p_dir = heading(v), heading(p)
+        p_speed = torch.where(p.moving, p.speed, torch.zeros_like(p.speed)).unsqueeze(-1)
+        sets = ((OBS_VEHICLES, (v.xy, v_dir, v_dir * v.speed.unsqueeze(-1), v.half, col((v.lights & LIGHT_BRAKE) != 0),
+                                col((v.lights & LIGHT_EMERGENCY) != 0), col(v.valid)), 3),
+                (OBS_PEDESTRIANS, (p.xy, p_dir, p_dir * p_speed, col(p.valid)), 3),
+                (OBS_STATICS, (o.xy, heading(o), o.half, col(o.valid)), 2))
+        out = {}
+        for key, cols, pairs in sets:
+            f = self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key])
+            out[key] = _within(ego_frame(f, s.ego_xy, s.ego_yaw, pairs), self.setup.cfg.vector.actor_radius)
+        return out
+
+    def _nearest(self, f: Tensor, ego_xy: Tensor, k: int) -> Tensor:
+        """Of the actors (features [B, A, F]: x, y first, the validity flag last) the ``k`` nearest valid ones, nearest
+        first; all of them, in slot order, when ``k`` is every slot (the radius masks them later)."""
+        if k >= f.shape[1]:
+            return f
+        d = (f[..., :2] - ego_xy.unsqueeze(1)).square().sum(-1)
+        d = torch.where(f[..., -1] > 0, d, torch.full_like(d, math.inf))
+        _, idx = torch.topk(d, k, dim=1, largest=False)
+        return torch.gather(f, 1, idx.unsqueeze(-1).expand(-1, -1, f.shape[-1]))
+
+    def stops(self, s, lights: LightFn) -> Tensor:  # noqa: ANN001
+        """The next ``stops`` stop lines on the route that the ego has not passed, nearest first, with their light."""
+        w, k = self.setup.world, self.setup.cfg.vector.stops
+        stop, ev_idx, near = upcoming_stop_lines(w, s.route_id, s.route_idx)
+        ahead = w.route_cum[s.route_id.unsqueeze(1).expand_as(ev_idx), ev_idx.clamp(max=w.route_pts.shape[1] - 1)] \
+            - w.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+        key = torch.where(near & (ev_idx >= s.route_idx.unsqueeze(1)), ahead, torch.full_like(ahead, math.inf))
+        if key.shape[1] < k:
+            key = torch.cat((key, key.new_full((key.shape[0], k - key.shape[1]), math.inf)), 1)
+        dist, idx = torch.topk(key, k, dim=1, largest=False)
+        valid = torch.isfinite(dist)
+        stop = torch.gather(stop, 1, idx.clamp(max=stop.shape[1] - 1))
+        sign = w.stop_control[stop] == CONTROL_STOP
+        state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), w.stop_group[stop]))
+        light = ~sign
+        first_sign = sign & (torch.cumsum(sign.long(), 1) == 1)  # stop_done refers to the next sign
+        cols = torch.stack((dist.clamp(max=1e4), *to_ego(w.stop_xy[stop], s.ego_xy, s.ego_yaw).unbind(-1),
+                            ((state == 0) & light).float(), ((state == 1) & light).float(),
+                            ((state == 2) & light).float(), yellow_left * light, sign.float(),
+                            (first_sign & s.stop_done.unsqueeze(1)).float(), valid.float()), -1)
+        return cols * valid.unsqueeze(-1)
