@@ -2,7 +2,8 @@
 
 A bundle is a directory::
 
-    policy.ts             TorchScript actor: (bev, measurements) -> (action, alpha, beta)
+    policy.ts             TorchScript actor: (bev, measurements) -> (action, alpha, beta); a set policy's takes its
+                          inputs instead (measurements, route, lanes, vehicles, pedestrians, statics, stops)
     policy.onnx           the same graph in ONNX (dynamic batch dimension)
     weights.safetensors   every weight of the actor-critic (CarlPolicy.state_dict())
     config.yaml           the training config the checkpoint was saved with
@@ -11,6 +12,10 @@ A bundle is a directory::
 The exported actor takes ``bev`` ([B, C, H, W], uint8 0..255 by default, or float32 0..255 when exported with
 ``bev_dtype=float32``) and ``measurements`` ([B, M] float32) and returns the deterministic action (the Beta mean
 mapped to [-1, 1], [B, 2]) and the Beta parameters ``alpha`` and ``beta`` ([B, 2], both > 1).
+
+A set-encoder policy (``model=set``, the vector observation) takes ``measurements`` and the entity sets
+(``envs.api.VECTOR_FEATURES``: [B, count, features] float32, the validity flag last) in the order ``spec["inputs"]``
+lists; its spec carries ``vector_geometry`` (the sizes the env must use) where a BEV policy's carries ``bev_geometry``.
 
 ``spec.json`` names what the numbers mean: ``observation_layout`` (``carla``: CaRL's CARLA observation, 10 channels
 and 8 measurements; ``nuplan``: CaRL's nuPlan observation, 9 channels and 10 measurements; see ``envs.api.LAYOUTS``),
@@ -38,16 +43,17 @@ from torch import nn
 
 from carl.checkpoint import CheckpointError, load_checkpoint
 from carl.config import MODEL_NAMES
-from carl.policy import CarlPolicy, beta_mean_action, beta_sample, make_policy
+from carl.policy import ActorCritic, CarlPolicy, beta_mean_action, beta_sample, make_policy
 from envs import options_schema
-from envs.api import (ACTIONS, BEV_CHANNELS, CONTROL_DT, LAYOUT_CARLA, MEASUREMENTS, NUPLAN_ACTION_SCALING, OBS_BEV,
-                      OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS, TensorSpec, layout_of)
+from envs.api import (ACTIONS, BEV_CHANNELS, CONTROL_DT, LAYOUT_CARLA, LAYOUT_VECTOR, MEASUREMENTS,
+                      NUPLAN_ACTION_SCALING, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS,
+                      VECTOR_FEATURES, VECTOR_SETS, TensorSpec, layout_of)
 
 BUNDLE_FORMAT = "carl-policy-bundle"
 BUNDLE_VERSION = 1
 FILES = {"torchscript": "policy.ts", "onnx": "policy.onnx", "weights": "weights.safetensors",
          "config": "config.yaml", "spec": "spec.json"}
-ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
+ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)  # a BEV policy's actor inputs (a set policy's: SetActor.INPUTS)
 ONNX_OUTPUTS = ("action", "alpha", "beta")
 
 
@@ -64,13 +70,39 @@ class BundleError(RuntimeError):
 class Actor(nn.Module):
     """The policy half of :class:`CarlPolicy` with positional tensor inputs (what TorchScript and ONNX export)."""
 
-    def __init__(self, policy: CarlPolicy) -> None:
+    INPUTS = ONNX_INPUTS
+
+    def __init__(self, policy: ActorCritic) -> None:
         super().__init__()
         self.policy = policy
 
     def forward(self, bev: torch.Tensor, measurements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         alpha, beta = self.policy.actor({OBS_BEV: bev, OBS_MEASUREMENTS: measurements})
         return beta_mean_action(alpha, beta), alpha, beta
+
+
+class SetActor(Actor):
+    """The policy half of the set policy (``model=set``) with positional inputs: the measurements, then the sets."""
+
+    INPUTS = (OBS_MEASUREMENTS, *VECTOR_SETS)
+
+    def forward(self, measurements: torch.Tensor, route: torch.Tensor, lanes: torch.Tensor,  # type: ignore[override]
+                vehicles: torch.Tensor, pedestrians: torch.Tensor, statics: torch.Tensor, stops: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        alpha, beta = self.policy.actor({OBS_MEASUREMENTS: measurements, "route": route, "lanes": lanes,
+                                         "vehicles": vehicles, "pedestrians": pedestrians, "statics": statics,
+                                         "stops": stops})
+        return beta_mean_action(alpha, beta), alpha, beta
+
+
+def actor_for(policy: ActorCritic) -> Actor:
+    """The exportable actor of ``policy``: positional inputs in the order its ``INPUTS`` say."""
+    return Actor(policy) if isinstance(policy, CarlPolicy) else SetActor(policy)
+
+
+def actor_inputs(spec: dict[str, Any]) -> tuple[str, ...]:
+    """The actor's inputs in order (``spec["inputs"]``; bundles written before it: bev, measurements)."""
+    return tuple(spec.get("inputs") or ONNX_INPUTS)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -85,31 +117,28 @@ def _observation_spec(obs_shapes: dict[str, list[int]], layout: dict[str, list[s
 
 
 def build_policy(obs_shapes: dict[str, list[int]], model_cfg: dict[str, Any], where: str,
-                 layout: dict[str, list[str]] | None = None) -> CarlPolicy:
-    """A fresh :class:`CarlPolicy` for these observation shapes and ``model`` config; ``where`` names the source;
+                 layout: dict[str, list[str]] | None = None) -> ActorCritic:
+    """A fresh network (:func:`carl.policy.make_policy`) for these observation shapes and ``model`` config; ``where`` names the source;
     ``layout``: the names of the inputs and actions (the signature's ``layout``; None for files written before)."""
     name = model_cfg.get("name", "carl")
     if name not in MODEL_NAMES:
         raise CheckpointError(f"{where} holds model {name!r}; this code rebuilds only {', '.join(MODEL_NAMES)}")
-    missing = [k for k in (OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS) if k not in obs_shapes]
-    if missing:
-        raise CheckpointError(f"{where} has no observation shape for {missing}; found {sorted(obs_shapes)}")
     try:
         return make_policy(_observation_spec(obs_shapes, layout), tuple((layout or {}).get("actions", ())), model_cfg)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: cannot rebuild the model ({exc})") from None
 
 
-def _check_signature(policy: CarlPolicy, saved: dict, where: str) -> None:
+def _check_signature(policy: ActorCritic, saved: dict, where: str) -> None:
     """The rebuilt model must have the saved layer plan (else the code's stride rule or widths changed)."""
     mine = policy.signature()
-    diffs = [f"{k}: file has {saved.get(k)}, this code builds {mine[k]}"
-             for k in ("obs_shapes", "conv", "num_params") if k in saved and saved.get(k) != mine[k]]
+    diffs = [f"{k}: file has {saved.get(k)}, this code builds {mine.get(k)}"
+             for k in ("obs_shapes", "conv", "num_params") if k in saved and saved.get(k) != mine.get(k)]
     if diffs:
         raise CheckpointError(f"{where} belongs to another model or carl version: " + "; ".join(diffs))
 
 
-def _load_weights(policy: CarlPolicy, state: dict[str, torch.Tensor], where: str) -> None:
+def _load_weights(policy: ActorCritic, state: dict[str, torch.Tensor], where: str) -> None:
     missing, unexpected = [], []
     mine = policy.state_dict()
     missing = sorted(set(mine) - set(state))
@@ -128,8 +157,8 @@ def _load_weights(policy: CarlPolicy, state: dict[str, torch.Tensor], where: str
     policy.load_state_dict(state)
 
 
-def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[CarlPolicy, dict[str, Any]]:
-    """Load a training checkpoint into a fresh :class:`CarlPolicy` (eval mode); return it and the checkpoint dict.
+def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[ActorCritic, dict[str, Any]]:
+    """Load a training checkpoint into a fresh network (eval mode); return it and the checkpoint dict.
 
     Raises :class:`CheckpointError` naming the file for an unreadable file, another format version, another model
     name, a layer plan this code no longer builds, or weights that do not fit.
@@ -189,7 +218,7 @@ _NUPLAN_ACTION_MEANINGS = {
 }
 
 
-def _layout_names(policy: CarlPolicy, key: str, default: tuple[str, ...], size: int) -> list[str] | None:
+def _layout_names(policy: ActorCritic, key: str, default: tuple[str, ...], size: int) -> list[str] | None:
     """The names the policy was trained with, else the CARLA layout's where the size fits (older files)."""
     names = policy.layout.get(key)
     return list(names) if names else (list(default) if size == len(default) else None)
@@ -213,30 +242,41 @@ def control_dt_of(ckpt: dict[str, Any]) -> float:
     return float((ckpt.get("extra") or {}).get("control_dt", CONTROL_DT))
 
 
-def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8",
+def make_spec(policy: ActorCritic, config: dict[str, Any], source: dict[str, Any], bev_dtype: str = "uint8",
               control_dt: float = CONTROL_DT) -> dict[str, Any]:
     """The ``spec.json`` content for ``policy`` trained with ``config`` on an env stepping ``control_dt`` seconds
     (checkpoints record it; older ones were all trained at CaRL's 0.1 s)."""
     shapes = {k: list(v) for k, v in policy.obs_shapes.items()}
-    c, h, _ = shapes[OBS_BEV]
-    channels = _layout_names(policy, OBS_BEV, BEV_CHANNELS, c) or [f"channel_{i}" for i in range(c)]
-    layout = layout_of(policy.layout[OBS_BEV]) if policy.layout.get(OBS_BEV) else \
-        (LAYOUT_CARLA if c == len(BEV_CHANNELS) else "custom")
     env_name = str((config.get("env") or {}).get("name", "sim"))
     actions = list(policy.layout.get("actions") or ACTIONS)
+    inputs = actor_for(policy).INPUTS
+    measurements = {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
+                    "fields": _layout_names(policy, OBS_MEASUREMENTS, MEASUREMENTS, shapes[OBS_MEASUREMENTS][0])}
+    if isinstance(policy, CarlPolicy):
+        c, h, _ = shapes[OBS_BEV]
+        channels = _layout_names(policy, OBS_BEV, BEV_CHANNELS, c) or [f"channel_{i}" for i in range(c)]
+        layout = layout_of(policy.layout[OBS_BEV]) if policy.layout.get(OBS_BEV) else \
+            (LAYOUT_CARLA if c == len(BEV_CHANNELS) else "custom")
+        observations = {OBS_BEV: {"shape": shapes[OBS_BEV], "dtype": bev_dtype, "range": [0, 255], "channels": channels,
+                                  "note": "the network divides by 255; float inputs must keep the 0..255 scale"},
+                        OBS_MEASUREMENTS: measurements}
+        geometry = {"bev_geometry": bev_geometry(config, h)}
+    else:
+        layout = LAYOUT_VECTOR
+        observations = {OBS_MEASUREMENTS: measurements, **{
+            k: {"shape": shapes[k], "dtype": "float32", "fields": _layout_names(policy, k, VECTOR_FEATURES[k],
+                                                                                shapes[k][1]),
+                "note": "entities in the ego frame (x forward, y left), nearest first; the last field is the "
+                        "validity flag and padding rows are all zero"} for k in VECTOR_SETS}}
+        geometry = {"vector_geometry": vector_geometry(config, shapes)}
     return {
         "format": BUNDLE_FORMAT,
         "bundle_version": BUNDLE_VERSION,
         "carl_version": carl_version(),
         "torch_version": torch.__version__,
         "observation_layout": layout,
-        "observations": {
-            OBS_BEV: {"shape": shapes[OBS_BEV], "dtype": bev_dtype, "range": [0, 255], "channels": channels,
-                      "note": "the network divides by 255; float inputs must keep the 0..255 scale"},
-            OBS_MEASUREMENTS: {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
-                               "fields": _layout_names(policy, OBS_MEASUREMENTS, MEASUREMENTS,
-                                                       shapes[OBS_MEASUREMENTS][0])},
-        },
+        "inputs": list(inputs),
+        "observations": observations,
         "critic_observations": {OBS_VALUE_MEASUREMENTS: {
             "shape": shapes[OBS_VALUE_MEASUREMENTS], "dtype": "float32",
             "fields": _layout_names(policy, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS,
@@ -249,13 +289,24 @@ def make_spec(policy: CarlPolicy, config: dict[str, Any], source: dict[str, Any]
             "deterministic": "Beta mean: a = 2 * alpha / (alpha + beta) - 1",
             "control_period_s": control_dt,
         },
-        "bev_geometry": bev_geometry(config, h),
+        **geometry,
         "model": {**{k: v for k, v in (config.get("model") or {"name": "carl"}).items()},
                   "signature": policy.signature()},
-        "onnx": {"inputs": list(ONNX_INPUTS), "outputs": list(ONNX_OUTPUTS), "dynamic_axes": {"batch": 0}},
+        "onnx": {"inputs": list(inputs), "outputs": list(ONNX_OUTPUTS), "dynamic_axes": {"batch": 0}},
         "files": {k: v for k, v in FILES.items() if k != "spec"},
         "source": source,
     }
+
+
+def vector_geometry(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """The vector observation's sizes the policy was trained with (``env.options.vector``, the simulator's defaults
+    where unset; the entity counts from the network's input shapes): what an evaluation env must use."""
+    opts = dict(((config.get("env") or {}).get("options") or {}).get("vector") or {})
+    defaults = options_schema("sim")().vector
+    out = {f: opts.get(f, getattr(defaults, f)) for f in vars(defaults)}
+    out.update({"route_points": shapes["route"][0], "lanes": shapes["lanes"][0], "vehicles": shapes["vehicles"][0],
+                "pedestrians": shapes["pedestrians"][0], "statics": shapes["statics"][0], "stops": shapes["stops"][0]})
+    return out
 
 
 def sha256_file(path: str | Path) -> str:
@@ -343,7 +394,7 @@ def bundle_file(bundle: Path, spec: dict[str, Any], kind: str) -> Path:
     return path
 
 
-def _policy_from_bundle(bundle: Path, device: str | torch.device) -> CarlPolicy:
+def _policy_from_bundle(bundle: Path, device: str | torch.device) -> ActorCritic:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -375,17 +426,20 @@ class LoadedPolicy:
 
     def distribution(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(deterministic action, alpha, beta) for a batch of observations."""
-        bev, meas = obs[OBS_BEV], obs[OBS_MEASUREMENTS].float()
+        inputs = actor_inputs(self.spec)
+        missing = [k for k in inputs if k not in obs]
+        if missing:
+            raise BundleError(f"the policy reads {list(inputs)} (observation layout {observation_layout(self.spec)}); "
+                              f"the observation lacks {missing}: build the env with the policy's observation")
+        u8 = self.spec["observations"].get(OBS_BEV, {}).get("dtype") == "uint8"
+        feeds = [obs[k].to(torch.uint8) if k == OBS_BEV and u8 else obs[k].float() for k in inputs]
         if self.session is not None:
-            want_u8 = self.spec["observations"][OBS_BEV]["dtype"] == "uint8"
-            feeds = {OBS_BEV: (bev.to(torch.uint8) if want_u8 else bev.float()).cpu().numpy(),
-                     OBS_MEASUREMENTS: meas.cpu().numpy()}
-            outs = self.session.run(list(ONNX_OUTPUTS), feeds)
+            outs = self.session.run(list(ONNX_OUTPUTS), {k: v.cpu().numpy() for k, v in zip(inputs, feeds)})
             action, alpha, beta = (torch.from_numpy(o).to(obs[OBS_MEASUREMENTS].device) for o in outs)
             return action, alpha, beta
         assert self.actor is not None
         with torch.no_grad():
-            return self.actor(bev.to(self.device), meas.to(self.device))
+            return self.actor(*(x.to(self.device) for x in feeds))
 
     def __call__(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         action, alpha, beta = self.distribution(obs)
@@ -406,7 +460,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     if path.is_dir():
         spec = read_spec(path)
         if backend == "torch":
-            return LoadedPolicy(spec, device, deterministic, actor=Actor(_policy_from_bundle(path, device))), spec
+            return LoadedPolicy(spec, device, deterministic, actor=actor_for(_policy_from_bundle(path, device))), spec
         if backend == "torchscript":
             script = bundle_file(path, spec, "torchscript")
             try:
@@ -438,16 +492,25 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     policy, ckpt = policy_from_checkpoint(path, device)
     source = {"checkpoint": str(path.resolve()), "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
     spec = make_spec(policy, ckpt.get("config") or {}, source, control_dt=control_dt_of(ckpt))
-    return LoadedPolicy(spec, device, deterministic, actor=Actor(policy)), spec
+    return LoadedPolicy(spec, device, deterministic, actor=actor_for(policy)), spec
 
 
 def random_observations(spec: dict[str, Any], batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random actor inputs matching ``spec``: BEV uniform in 0..255, measurements standard normal."""
+    """Random actor inputs matching ``spec``: BEV uniform in 0..255, measurements standard normal, entity sets
+    standard normal with a random validity flag (padding rows zero)."""
     gen = torch.Generator().manual_seed(seed)
-    bev_shape = spec["observations"][OBS_BEV]["shape"]
-    meas_shape = spec["observations"][OBS_MEASUREMENTS]["shape"]
-    return {OBS_BEV: torch.randint(0, 256, (batch, *bev_shape), generator=gen, dtype=torch.uint8),
-            OBS_MEASUREMENTS: torch.randn(batch, *meas_shape, generator=gen)}
+    out = {}
+    for key in actor_inputs(spec):
+        shape = spec["observations"][key]["shape"]
+        if key == OBS_BEV:
+            out[key] = torch.randint(0, 256, (batch, *shape), generator=gen, dtype=torch.uint8)
+        elif len(shape) == 2:  # an entity set, validity flag last
+            x = torch.randn(batch, *shape, generator=gen)
+            valid = (torch.rand(batch, shape[0], 1, generator=gen) < 0.7).float()
+            out[key] = torch.cat((x[..., :-1], torch.ones_like(valid)), -1) * valid
+        else:
+            out[key] = torch.randn(batch, *shape, generator=gen)
+    return out
 
 
 def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch: int = 8, seed: int = 0
@@ -466,5 +529,5 @@ def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch:
     return diffs
 
 
-__all__ = ["Actor", "BundleError", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
+__all__ = ["Actor", "BundleError", "SetActor", "actor_for", "actor_inputs", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
            "observation_layout", "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]

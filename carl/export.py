@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 import torch
 
-from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_INPUTS, ONNX_OUTPUTS, Actor, BundleError, carl_version, control_dt_of,
-                         check_bundle, make_spec, policy_from_checkpoint, quiet_export, sha256_file)
+from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_OUTPUTS, Actor, BundleError, actor_for, carl_version,
+                         check_bundle, control_dt_of, make_spec, policy_from_checkpoint, quiet_export,
+                         random_observations, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError
-from carl.policy import CarlPolicy
-from envs.api import OBS_BEV, OBS_MEASUREMENTS
+from envs.api import OBS_BEV
 
 PARITY_TOL = 1e-4
 
@@ -48,26 +48,25 @@ class ExportConfig:
 # ------------------------------------------------------------------------------------------------------------------
 # Writing a bundle
 # ------------------------------------------------------------------------------------------------------------------
-def _example_inputs(policy: CarlPolicy, batch: int, bev_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    c, h, w = policy.obs_shapes[OBS_BEV]
-    bev = torch.randint(0, 256, (batch, c, h, w), generator=gen, dtype=torch.uint8)
-    meas = torch.randn(batch, policy.obs_shapes[OBS_MEASUREMENTS][0], generator=gen)
-    return (bev if bev_dtype == "uint8" else bev.float()), meas
+def _example_inputs(actor: Actor, spec: dict[str, Any], batch: int, bev_dtype: str) -> tuple[torch.Tensor, ...]:
+    """Random inputs in the actor's positional order (the BEV in the dtype the bundle takes)."""
+    obs = random_observations(spec, batch)
+    return tuple(obs[k].float() if k == OBS_BEV and bev_dtype == "float32" else obs[k] for k in actor.INPUTS)
 
 
-def export_onnx(actor: Actor, example: tuple[torch.Tensor, torch.Tensor], path: Path, exporter: str = "dynamo",
+def export_onnx(actor: Actor, example: tuple[torch.Tensor, ...], path: Path, exporter: str = "dynamo",
                 opset: int = 18) -> None:
     """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
+    names = list(actor.INPUTS)
     if exporter == "dynamo":
         batch = torch.export.Dim("batch")
-        program = torch.onnx.export(actor, example, input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
-                                    dynamic_shapes={"bev": {0: batch}, "measurements": {0: batch}}, dynamo=True,
+        program = torch.onnx.export(actor, example, input_names=names, output_names=list(ONNX_OUTPUTS),
+                                    dynamic_shapes={name: {0: batch} for name in names}, dynamo=True,
                                     opset_version=opset, verbose=False)
         program.save(str(path))
     elif exporter == "torchscript":
-        axes = {name: {0: "batch"} for name in (*ONNX_INPUTS, *ONNX_OUTPUTS)}
-        torch.onnx.export(actor, example, str(path), input_names=list(ONNX_INPUTS), output_names=list(ONNX_OUTPUTS),
+        axes = {name: {0: "batch"} for name in (*names, *ONNX_OUTPUTS)}
+        torch.onnx.export(actor, example, str(path), input_names=names, output_names=list(ONNX_OUTPUTS),
                           dynamic_axes=axes, dynamo=False, opset_version=min(opset, 17))
     else:
         raise ValueError(f"onnx exporter {exporter!r}: use 'dynamo' or 'torchscript'")
@@ -91,8 +90,11 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
     out.mkdir(parents=True, exist_ok=True)
     policy = policy.float()
     config = ckpt.get("config") or {}
-    actor = Actor(policy).eval()
-    example = _example_inputs(policy, 2, bev_dtype)
+    actor = actor_for(policy).eval()
+    source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
+              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
+    spec = make_spec(policy, config, source, bev_dtype, control_dt_of(ckpt))
+    example = _example_inputs(actor, spec, 2, bev_dtype)
 
     state = {k: v.detach().contiguous().clone() for k, v in policy.state_dict().items()}
     save_file(state, str(out / FILES["weights"]), metadata={"format": BUNDLE_FORMAT, "carl_version": carl_version()})
@@ -107,10 +109,6 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
                 raise BundleError(f"ONNX export needs the export extra ({exc}): pip install -e '.[export]', "
                                   "or pass onnx=false") from None
     OmegaConf.save(OmegaConf.create(config), out / FILES["config"])
-
-    source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
-              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
-    spec = make_spec(policy, config, source, bev_dtype, control_dt_of(ckpt))
     if not onnx:
         spec["files"].pop("onnx")
     spec["sha256"] = {name: sha256_file(out / name) for name in spec["files"].values()}
@@ -126,9 +124,7 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
     out = Path(cfg["out_dir"]) if cfg.get("out_dir") else ckpt.parent / f"bundle-{ckpt.stem}"
     spec = export_bundle(ckpt, out, bev_dtype=cfg.get("bev_dtype", "uint8"), onnx=bool(cfg.get("onnx", True)),
                          onnx_exporter=cfg.get("onnx_exporter", "dynamo"), overwrite=bool(cfg.get("overwrite", False)))
-    g = spec["bev_geometry"]
-    log(f"bundle {out}: {', '.join(sorted(spec['files'].values()))} | bev {spec['observations']['bev']['shape']} "
-        f"{spec['observations']['bev']['dtype']} ({g['metres_ahead']:.0f} m ahead, {g['metres_behind']:.0f} m behind) | "
+    log(f"bundle {out}: {', '.join(sorted(spec['files'].values()))} | {_inputs_line(spec)} | "
         f"{spec['model']['signature']['num_params']:,} params")
     if not cfg.get("check", True):
         return 0
@@ -139,6 +135,16 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> int:
         log(f"parity check FAILED (tolerance {PARITY_TOL}): {bad}")
         return 1
     return 0
+
+
+def _inputs_line(spec: dict[str, Any]) -> str:
+    """What the actor reads, for the log: the BEV and its view, or the entity sets and their sizes."""
+    obs = spec["observations"]
+    if "bev_geometry" in spec:
+        g = spec["bev_geometry"]
+        return (f"bev {obs[OBS_BEV]['shape']} {obs[OBS_BEV]['dtype']} ({g['metres_ahead']:.0f} m ahead, "
+                f"{g['metres_behind']:.0f} m behind)")
+    return "vector " + ", ".join(f"{k} {obs[k]['shape']}" for k in spec["inputs"])
 
 
 class ExportCommand(Command):

@@ -99,9 +99,12 @@ def reading_from_actors(actors: list[Any], lights: np.ndarray | None = None) -> 
 
 
 def sim_config_for(spec: dict[str, Any], options: dict[str, Any] | None = None) -> SimConfig:
-    """The simulator config a policy's observations need: the BEV geometry of its spec, plus ``options``."""
+    """The simulator config a policy's observations need: the BEV geometry of its spec (or its vector observation's
+    sizes), plus ``options``."""
     geo = spec.get("bev_geometry", {})
     opts = {k: geo[k] for k in ("bev_size", "bev_ppm", "bev_ego_from_bottom") if k in geo}
+    if "vector_geometry" in spec:
+        opts = {"observation": "vector", "bev": False, "vector": dict(spec["vector_geometry"])}
     opts.update(options or {})
     return from_dict(SimConfig, opts, "agent options").validate()
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from carl.bundle import action_names, load_policy, observation_layout
-from envs.api import ACTIONS, LAYOUT_CARLA, LAYOUT_NUPLAN, action_permutation
+from envs.api import ACTIONS, LAYOUT_CARLA, LAYOUT_NUPLAN, LAYOUT_VECTOR, action_permutation
 from envs.nuplan.cache import REAR_AXLE_TO_CENTRE, CachedScenario
 from envs.nuplan.config import NuplanOptions
 from envs.nuplan.dynamics import WHEELBASE, bicycle_step
@@ -53,13 +53,15 @@ from envs.sim.agents import Pedestrians, Statics, Vehicles
 from envs.sim.infractions import route_progress
 from envs.sim.observation import CarlaObserver
 from envs.sim.parts import Observer
+from envs.sim.vector_obs import VectorObserver
 
 HORIZON_S, DT = 8.0, FRAME_S  # the devkit's default trajectory horizon; our simulation step (a log frame)
 PATCH_RADIUS = 80.0  # m around the route path
 LIGHT_STATUS = {"GREEN": 0, "YELLOW": 1, "RED": 2, "UNKNOWN": 3}
 ROLLOUT_ACTIONS = ACTIONS  # the action order rollout_trajectory's ``act`` returns (bicycle_step's default order)
 OBSERVERS: dict[str, Callable[[ScenarioLogs], Observer]] = {LAYOUT_CARLA: lambda logs: CarlaObserver(),
-                                                            LAYOUT_NUPLAN: NuplanObserver}
+                                                            LAYOUT_NUPLAN: NuplanObserver,
+                                                            LAYOUT_VECTOR: lambda logs: VectorObserver()}
 
 ActionFn = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -309,6 +311,8 @@ class CarlPlanner(_Base):  # type: ignore[misc, valid-type]
         self.builder = None
 
     def _sim_overrides(self) -> dict:
+        if "vector_geometry" in self.spec:
+            return {"observation": "vector", "bev": False, "vector": dict(self.spec["vector_geometry"])}
         g = self.spec.get("bev_geometry", {})
         return {k: g[k] for k in ("bev_size", "bev_ppm", "bev_ego_from_bottom") if k in g}
 

@@ -51,9 +51,12 @@ class PolicySource:
     spec: dict[str, Any] | None = None
 
     def env_options(self) -> dict[str, Any]:
-        """Env options this policy needs: the BEV geometry it was trained on (baselines need no BEV)."""
+        """Env options this policy needs: the BEV geometry it was trained on, or its vector observation's sizes
+        (baselines need no BEV)."""
         if self.spec is None:
             return {"bev": False}
+        if "vector_geometry" in self.spec:
+            return {"observation": "vector", "bev": False, "vector": dict(self.spec["vector_geometry"])}
         g = self.spec["bev_geometry"]
         return {"bev": True, "bev_size": g["bev_size"], "bev_ppm": g["bev_ppm"],
                 "bev_ego_from_bottom": g["bev_ego_from_bottom"]}

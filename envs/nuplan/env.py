@@ -51,6 +51,7 @@ from envs.sim.parts import ActorSource, LightCycle, StartSource
 from envs.sim.rewards import CarlCarlaReward
 from envs.sim.rules import Rules
 from envs.sim.state import obstacles
+from envs.sim.vector_obs import VectorObserver
 from envs.sim.world import LightFn, build_world, lane_lookup
 
 IDM_TARGET_SPEED = 10.0  # m/s, nuPlan IDMAgents
@@ -102,7 +103,7 @@ def build_nuplan_env(scenarios: list[CachedScenario], opts: NuplanOptions, num_e
     return SimEnv(cfg, num_envs, dev, seed, world=world, starts=LogStarts(logs), ego=NuplanBicycle(logs),
                   actors=LogReplay(logs, opts.reactive), lights=LoggedLights(logs), rules=rules,
                   reward=CarlNuplanReward(logs) if carl_nuplan else CarlCarlaReward(),
-                  observer=NuplanObserver(logs), metrics=(NuplanMetrics(logs, opts.score),), state_type=NuplanState,
+                  observer=VectorObserver() if cfg.observation == "vector" else NuplanObserver(logs), metrics=(NuplanMetrics(logs, opts.score),), state_type=NuplanState,
                   data=logs)
 
 

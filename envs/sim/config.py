@@ -20,10 +20,11 @@ class VectorConfig:
     lanes: int = 32  # nearest lane-centre points around the ego
     lane_spacing: float = 5.0  # m between lane-centre points along a lane
     lane_radius: float = 40.0  # m: lane points farther from the ego are masked
-    # nearest actors of each type (None: as many as the environment has slots, scenario actors' included)
-    vehicles: int | None = None
-    pedestrians: int | None = None
-    statics: int | None = None
+    # nearest actors of each type (None: as many as the environment has slots, scenario actors' included; more than
+    # the slots: padded with empty rows)
+    vehicles: int | None = None  # nearest vehicles (None: every vehicle slot)
+    pedestrians: int | None = None  # nearest pedestrians (None: every pedestrian slot)
+    statics: int | None = None  # nearest static objects (None: every static slot)
     actor_radius: float = 60.0  # m: actors farther from the ego are masked
     stops: int = 2  # next stop lines (traffic lights, stop signs) on the route
 

@@ -171,9 +171,10 @@ def ego_frame(f: Tensor, ego_xy: Tensor, ego_yaw: Tensor, pairs: int) -> Tensor:
 
 
 def _within(f: Tensor, radius: float) -> Tensor:
-    """Ego-frame features [B, N, F] (x, y first, the validity flag last) with the rows beyond ``radius`` zeroed."""
+    """Ego-frame features [B, N, F] (x, y first, the validity flag last) with the rows that are not valid or lie
+    beyond ``radius`` all zero (their flag too)."""
     near = f[..., :2].square().sum(-1, keepdim=True) <= radius * radius
-    return f * near
+    return f * (near & (f[..., -1:] > 0))
 
 
 class VectorObserver(Observer):
@@ -183,18 +184,18 @@ class VectorObserver(Observer):
 
     def bind(self, setup) -> None:  # noqa: ANN001 - Setup
         super().bind(setup)
-        vc = setup.cfg.vector
+        vc, w = setup.cfg.vector, setup.world
         held = {"vehicles": setup.num_vehicles, "pedestrians": setup.num_pedestrians, "statics": setup.num_statics}
-        over = [f"env.options.vector.{k}={getattr(vc, k)} is more than the {n} {k} slots each environment holds: use "
-                f"at most {n}, or leave it unset for all of them (or raise env.options.num_{k})"
-                for k, n in held.items() if getattr(vc, k) is not None and getattr(vc, k) > n]
-        if over:
-            raise ConfigError(over)
+        self.maps = vector_maps(w, vc)
+        points = self.maps.lane_feat.shape[0] - 1
+        if vc.lanes > points:
+            raise ConfigError(f"env.options.vector.lanes={vc.lanes} is more than the {points} lane points the world "
+                              f"holds (every {vc.lane_spacing} m of its lanes): use at most {points}, or a smaller "
+                              "env.options.vector.lane_spacing")
         self.counts = {OBS_ROUTE: vc.route_points, OBS_LANES: vc.lanes, OBS_STOPS: vc.stops,
                        **{key: getattr(vc, k) or held[k] for key, k in ((OBS_VEHICLES, "vehicles"),
                                                                           (OBS_PEDESTRIANS, "pedestrians"),
                                                                           (OBS_STATICS, "statics"))}}
-        self.maps = vector_maps(setup.world, vc)
         self.offsets = torch.arange(1, vc.route_points + 1, device=setup.device) * vc.route_spacing
 
     def spec(self) -> dict[str, TensorSpec]:
@@ -260,9 +261,10 @@ class VectorObserver(Observer):
 
     def _nearest(self, f: Tensor, ego_xy: Tensor, k: int) -> Tensor:
         """Of the actors (features [B, A, F]: x, y first, the validity flag last) the ``k`` nearest valid ones, nearest
-        first; all of them, in slot order, when ``k`` is every slot (the radius masks them later)."""
+        first; all of them, in slot order, when ``k`` is every slot (the radius masks them later), padded with empty
+        rows when ``k`` is more (a policy trained with more slots than this env has)."""
         if k >= f.shape[1]:
-            return f
+            return torch.cat((f, f.new_zeros(f.shape[0], k - f.shape[1], f.shape[2])), 1) if k > f.shape[1] else f
         d = (f[..., :2] - ego_xy.unsqueeze(1)).square().sum(-1)
         d = torch.where(f[..., -1] > 0, d, torch.full_like(d, math.inf))
         _, idx = torch.topk(d, k, dim=1, largest=False)

@@ -1,0 +1,199 @@
+"""The vector observation (envs/sim/vector_obs.py) on a hand-built road, every expectation computed here from the
+map and the documented frame (x forward, y left; yaw relative to the ego's):
+
+two same-direction lanes eastwards, A on y = 0 (x 0..200, the kerb on its right) and B on y = 3.5 (A's left
+neighbour) ending at a light's stop line at x = 200, then C (x 200..300, y = 3.5) on; an oncoming lane D on y = 7.
+The route drives A, changes to B at x = 50, then B and C."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from envs.api import OBS_LANES, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STATICS, OBS_STOPS, OBS_VEHICLES, VECTOR_FEATURES
+from envs.config import ConfigError, from_dict
+from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
+from envs.maps.routes import Route
+from envs.sim.config import SimConfig
+from envs.sim.env import SimEnv
+from envs.sim.world import build_world
+
+W = 3.5
+F = {k: {name: i for i, name in enumerate(v)} for k, v in VECTOR_FEATURES.items()}
+
+
+def _line(x0: float, x1: float, y: float) -> np.ndarray:
+    x = np.linspace(x0, x1, int(round(abs(x1 - x0))) + 1)
+    return np.stack([x, np.full_like(x, y)], 1)
+
+
+def road() -> LaneGraph:
+    lanes = [Lane(points=_line(0, 200, 0.0), width=W, left=1),  # A
+             Lane(points=_line(0, 200, W), width=W, right=0, successors=[2]),  # B
+             Lane(points=_line(200, 300, W), width=W),  # C
+             Lane(points=_line(300, 0, 2 * W), width=W)]  # D, oncoming
+    return LaneGraph.build("road", lanes, [StopLine(lane=1, control=CONTROL_LIGHT, light_group=0)],
+                           [LightGroup(junction=0, phase=0, num_phases=2)])
+
+
+def route() -> Route:
+    """1 m points: A for x 0..49, B from x 50 (the lane change), C from x 200."""
+    xs = np.arange(0, 300, dtype=np.float32)
+    ys = np.where(xs < 50, 0.0, W).astype(np.float32)
+    lanes = np.where(xs < 50, 0, np.where(xs < 200, 1, 2)).astype(np.int32)
+    return Route("r", np.stack([xs, ys], 1), lanes)
+
+
+def make_env(**vector: float) -> SimEnv:
+    cfg = _cfg(**vector)
+    env = SimEnv(cfg, 1, world=build_world(road(), [route()], cfg, torch.device("cpu")))
+    env.reset()
+    return env
+
+
+def _cfg(**vector: float) -> SimConfig:
+    """No traffic (the tests place the actors), 3 vehicle, 2 pedestrian and 1 static slots, ``vector`` sizes."""
+    return from_dict(SimConfig, {"traffic": False, "bev": False, "observation": "vector", "num_vehicles": 3,
+                                 "num_pedestrians": 2, "num_statics": 1, "vector": vector}, "env.options").validate()
+
+
+def place(env: SimEnv, x: float, y: float, yaw: float, route_idx: int) -> None:
+    s = env.state
+    s.ego_xy[0] = torch.tensor([x, y])
+    s.ego_yaw[0] = yaw
+    s.route_idx[0] = route_idx
+
+
+def test_route_points_every_spacing_metres_with_the_lane_change_marked_once() -> None:
+    """Ego on its route point x = 10: samples at route metres 10 + 4k (k = 1..20). Route metres: x up to x = 49; the
+    hop to (50, 3.5) is sqrt(1 + 3.5^2) m; then 1 m per point. So sample k sits on the last point at or before its
+    metre, on lane B from the first sample past the hop, where (and only where) lane_change is +1 (to the left)."""
+    env = make_env()
+    place(env, 10.0, 0.0, 0.0, 10)
+    r = env.observe()[OBS_ROUTE][0]
+    hop = math.hypot(1.0, W)
+    cum = np.concatenate([np.arange(50.0), 49.0 + hop + np.arange(250.0)])
+    for k in range(20):
+        at = 10.0 + 4.0 * (k + 1)
+        i = int(np.searchsorted(cum, at, side="right") - 1)
+        x, y = float(i), (0.0 if i < 50 else W)
+        assert r[k, F[OBS_ROUTE]["x_m"]].item() == pytest.approx(x - 10.0, abs=1e-4)
+        assert r[k, F[OBS_ROUTE]["y_m"]].item() == pytest.approx(y, abs=1e-4)
+        prev_i = 10 if k == 0 else int(np.searchsorted(cum, at - 4.0, side="right") - 1)
+        expect = 1.0 if prev_i < 50 <= i else 0.0
+        assert r[k, F[OBS_ROUTE]["lane_change"]].item() == expect, k
+        assert r[k, F[OBS_ROUTE]["valid"]].item() == 1.0
+    assert r[:, F[OBS_ROUTE]["lane_change"]].sum().item() == 1.0
+
+
+def test_the_route_past_its_end_is_padding() -> None:
+    """Ego at route point 290: the route's last point is metre 49 + hop + 249; samples beyond it are all zero."""
+    env = make_env()
+    place(env, 290.0, W, 0.0, 290)
+    r = env.observe()[OBS_ROUTE][0]
+    end = 49.0 + math.hypot(1.0, W) + 249.0
+    here = 49.0 + math.hypot(1.0, W) + 240.0
+    valid = [here + 4.0 * (k + 1) <= end for k in range(20)]
+    assert r[:, -1].tolist() == [float(v) for v in valid]
+    assert not r[~torch.tensor(valid)].any()
+
+
+def test_vehicles_in_the_ego_frame_nearest_first_and_beyond_the_radius_masked() -> None:
+    """Ego at (10, 0) heading 0.3 rad; vehicles at 30 m, 10 m and 70 m (beyond actor_radius 60), headings 0.3 + 0.5
+    and speeds 4 m/s; vector.vehicles=2 keeps the nearest two, nearest first."""
+    env = make_env(vehicles=2)
+    place(env, 10.0, 0.0, 0.3, 10)
+    v = env.state.veh
+    ego = np.array([10.0, 0.0])
+    spots = [ego + 30 * np.array([math.cos(1.0), math.sin(1.0)]), ego + np.array([10.0, 0.0]),
+             ego + np.array([0.0, 70.0])]
+    for i, p in enumerate(spots):
+        v.xy[0, i] = torch.tensor(p, dtype=torch.float32)
+        v.yaw[0, i], v.speed[0, i], v.valid[0, i] = 0.8, 4.0, True
+    v.lights[0, 1] = 1  # LIGHT_BRAKE
+    obs = env.observe()[OBS_VEHICLES][0]
+    f = F[OBS_VEHICLES]
+    assert obs.shape == (2, len(f))
+    c, s = math.cos(0.3), math.sin(0.3)
+    for row, p in ((0, spots[1]), (1, spots[0])):
+        dx, dy = p - ego
+        assert obs[row, f["x_m"]].item() == pytest.approx(c * dx + s * dy, abs=1e-4)
+        assert obs[row, f["y_m"]].item() == pytest.approx(c * dy - s * dx, abs=1e-4)
+        assert obs[row, f["cos_yaw"]].item() == pytest.approx(math.cos(0.5), abs=1e-5)
+        assert obs[row, f["vx_mps"]].item() == pytest.approx(4 * math.cos(0.5), abs=1e-4)
+        assert obs[row, f["vy_mps"]].item() == pytest.approx(4 * math.sin(0.5), abs=1e-4)
+        assert obs[row, f["valid"]].item() == 1.0
+    assert obs[0, f["brake_light"]].item() == 1.0 and obs[1, f["brake_light"]].item() == 0.0
+    # the 70 m vehicle is out of reach: with all three slots asked, its row is padding
+    env = make_env(vehicles=3)
+    place(env, 10.0, 0.0, 0.3, 10)
+    for i, p in enumerate(spots):
+        env.state.veh.xy[0, i] = torch.tensor(p, dtype=torch.float32)
+        env.state.veh.valid[0, i] = True
+    obs = env.observe()[OBS_VEHICLES][0]
+    assert obs[:, -1].tolist() == [1.0, 1.0, 0.0] and not obs[2].any()
+
+
+def test_more_actor_rows_than_slots_are_padding_and_standing_walkers_have_no_velocity() -> None:
+    """vector.pedestrians=5 on an env of 2 pedestrian slots: 5 rows, the last 3 all zero; a walker that is not
+    moving reports zero velocity whatever its speed field."""
+    env = make_env(pedestrians=5)
+    place(env, 10.0, 0.0, 0.0, 10)
+    p = env.state.ped
+    p.xy[0, 0], p.yaw[0, 0], p.speed[0, 0], p.valid[0, 0], p.moving[0, 0] = torch.tensor([15.0, -3.0]), 1.0, 1.4, True, False
+    obs = env.observe()[OBS_PEDESTRIANS][0]
+    f = F[OBS_PEDESTRIANS]
+    assert obs.shape == (5, len(f)) and obs[0, f["valid"]].item() == 1.0
+    assert obs[0, f["x_m"]].item() == pytest.approx(5.0) and obs[0, f["y_m"]].item() == pytest.approx(-3.0)
+    assert obs[0, f["vx_mps"]].item() == 0.0 and obs[0, f["vy_mps"]].item() == 0.0
+    assert not obs[1:].any()
+
+
+def test_lane_points_are_the_maps_points_within_the_radius() -> None:
+    """Lane points every 5 m of each lane (its end included) within 40 m of the ego at (100, 0): all of them (32 rows
+    hold them: A 81..119 -> 16 points, B 16, D 14, C none), each with its lane's direction, width, kerb flag."""
+    env = make_env(lanes=64)
+    place(env, 100.0, 0.0, 0.0, 100)
+    obs = env.observe()[OBS_LANES][0]
+    f = F[OBS_LANES]
+    got = sorted((round(r[f["x_m"]].item() + 100, 3), round(r[f["y_m"]].item(), 3), r[f["cos_yaw"]].item(),
+                  r[f["kerb_right"]].item()) for r in obs if r[f["valid"]] > 0)
+    want = []
+    for y, xs, cos, kerb in ((0.0, range(0, 201, 5), 1.0, 1.0), (W, range(0, 201, 5), 1.0, 0.0),
+                             (W, range(200, 301, 5), 1.0, 1.0), (2 * W, range(300, -1, -5), -1.0, 1.0)):
+        want += [(float(x), y, cos, kerb) for x in xs if (x - 100.0) ** 2 + y ** 2 <= 40.0 ** 2]
+    assert got == sorted(want)
+    assert all(r[f["width_m"]].item() == pytest.approx(W) for r in obs if r[f["valid"]] > 0)
+    assert not obs[obs[:, -1] == 0].any()
+
+
+def test_the_next_stop_line_with_its_light_and_distance_along_the_route() -> None:
+    """Ego at route point x = 120 on B: the stop line at B's end (route point x = 199, its centre (200, 3.5)) is
+    79 route metres ahead; a light part answering red shows red, and the second row is padding."""
+    env = make_env()
+    place(env, 120.0, W, 0.0, 120)
+    red = lambda group: (torch.full_like(group, 2), torch.zeros(group.shape))  # noqa: E731
+    obs = env.observer.stops(env.state, red)[0]
+    f = F[OBS_STOPS]
+    assert obs[0, f["ahead_m"]].item() == pytest.approx(79.0, abs=1e-3)
+    assert obs[0, f["x_m"]].item() == pytest.approx(80.0, abs=1e-3) and obs[0, f["y_m"]].item() == pytest.approx(0.0)
+    assert obs[0, [f["green"], f["yellow"], f["red"], f["stop_sign"]]].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert obs[0, f["valid"]].item() == 1.0 and not obs[1].any()
+
+
+@pytest.mark.parametrize("key, value, fix", [("lanes", 0, "[1, 4096]"), ("lanes", 1000, "more than the 164 lane points"),
+                                             ("lane_radius", -1.0, "(0, 1000]")])
+def test_bad_sizes_name_the_key(key: str, value: float, fix: str) -> None:
+    with pytest.raises(ConfigError, match=rf"env\.options\.vector\.{key}=.*{re.escape(fix)}"):
+        make_env(**{key: value})
+
+
+def test_a_backend_that_cannot_build_it_says_so() -> None:
+    from envs.sim.observation import CarlaObserver
+
+    cfg = _cfg()
+    with pytest.raises(ConfigError, match="observation=vector.*CarlaObserver"):
+        SimEnv(cfg, 1, world=build_world(road(), [route()], cfg, torch.device("cpu")), observer=CarlaObserver())
