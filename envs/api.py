@@ -92,10 +92,13 @@ VECTOR_FEATURES = {
     # lane-centre points every vector.lane_spacing m within vector.lane_radius: the lane's direction there, width,
     # speed limit, whether it is a junction lane, whether its right edge is the kerb (no same-direction lane there)
     OBS_LANES: ("x_m", "y_m", "cos_yaw", "sin_yaw", "width_m", "speed_limit_mps", "junction", "kerb_right", "valid"),
+    # actors: pose, velocity and size in the ego frame, and where they are relative to the route ahead: route_s_m
+    # metres along it from the ego's route point (negative: behind) and route_d_m to its left (negative: right)
     OBS_VEHICLES: ("x_m", "y_m", "cos_yaw", "sin_yaw", "vx_mps", "vy_mps", "half_length_m", "half_width_m",
-                   "brake_light", "emergency", "valid"),
-    OBS_PEDESTRIANS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "vx_mps", "vy_mps", "valid"),
-    OBS_STATICS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "half_length_m", "half_width_m", "valid"),
+                   "brake_light", "emergency", "route_s_m", "route_d_m", "valid"),
+    OBS_PEDESTRIANS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "vx_mps", "vy_mps", "route_s_m", "route_d_m", "valid"),
+    OBS_STATICS: ("x_m", "y_m", "cos_yaw", "sin_yaw", "half_length_m", "half_width_m", "route_s_m", "route_d_m",
+                  "valid"),
     # the next stop lines on the route (route metres ahead, the line's centre): the light's colour one-hot (all 0 for
     # a stop sign), seconds of yellow left, a stop sign, and whether the ego has already stopped at that sign
     OBS_STOPS: ("ahead_m", "x_m", "y_m", "green", "yellow", "red", "yellow_left_s", "stop_sign", "sign_obeyed",

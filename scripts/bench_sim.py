@@ -14,6 +14,11 @@ ms_per_step within 20 % of a single town's at the same batch. Each line carries 
 
     python scripts/bench_sim.py --batches 256 --scenario-densities 0 7.4   # route scenarios off and at longest6's
 
+    python scripts/bench_sim.py --batches 1024 --vector   # the vector observation beside no observation
+
+``--vector``: also time the vector observation (``env.options.observation=vector``) at each batch; a ``vector_cost``
+line gives its cost beside no observation. Target (issue 24): at most 25 % at batch 1024 on 2 cores.
+
 ``--scenario-densities``: scenarios per km on the random routes (``env.options.scenario_density``; longest6 v2 carries
 7.4). Target (issue 23): ms_per_step with scenarios within 15 % of the same run without them.
 """
@@ -58,10 +63,14 @@ def world_mb(env) -> float:
     return round(total / 2**20, 1)
 
 
-def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic: bool,
+def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, traffic: bool,
           world: str = "procedural", scenario_density: float = 0.0) -> dict:
-    options = dict(bev=bev_size is not None, traffic=traffic, num_routes=256, scenario_density=scenario_density,
-                   **world_options(world))
+    """``bev_size``: a BEV size, None (no observation beyond the measurements) or "vector"."""
+    vector = bev_size == "vector"
+    options = dict(bev=bev_size is not None and not vector, traffic=traffic, num_routes=256,
+                   scenario_density=scenario_density, **world_options(world))
+    if vector:
+        options["observation"], bev_size = "vector", None
     if bev_size is not None:
         options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
     t_load = time.perf_counter()
@@ -83,6 +92,7 @@ def bench(device: str, batch: int, bev_size: int | None, seconds: float, traffic
         sync()
     elapsed = time.perf_counter() - t0
     return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
+            "observation": "vector" if vector else "bev" if bev_size is not None else "none",
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
             "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
             "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
@@ -117,6 +127,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-traffic", action="store_true")
+    p.add_argument("--vector", action="store_true", help="also time the vector observation at each batch")
     p.add_argument("--scenario-densities", type=float, nargs="*", default=[0.0],
                    help="route scenarios per km on the random routes (0: none)")
     p.add_argument("--worlds", nargs="*", default=["procedural"],
@@ -128,20 +139,26 @@ def main() -> None:
     bev_sizes = args.bev_sizes or ([128, 256] if cuda else [128])
     results = []
     for world in args.worlds:
-        for bev in [None, *bev_sizes]:
+        for bev in [None, *(["vector"] if args.vector else []), *bev_sizes]:
             for batch in batches:
-                if bev is not None and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
+                if isinstance(bev, int) and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
                     continue  # observation alone would not fit
                 for density in args.scenario_densities:
                     r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world, density)
                     results.append(r)
                     print(json.dumps(r), flush=True)
+    for r in results:
+        if r["observation"] == "vector":
+            base = next(b for b in results if b["observation"] == "none" and b["batch"] == r["batch"]
+                        and b["world"] == r["world"] and b["scenario_density"] == r["scenario_density"])
+            print(json.dumps({"vector_cost": round(r["ms_per_step"] / base["ms_per_step"] - 1.0, 3),
+                              "batch": r["batch"], "world": r["world"], "target": 0.25, "cpu": r["cpu"]}), flush=True)
     ref = bench_highway_env(args.seconds)
     if ref is not None:
-        ours = next((r for r in results if r["batch"] == 1 and r["bev"] == "none"), None)
+        ours = next((r for r in results if r["batch"] == 1 and r["observation"] == "none"), None)
         if ours:
             ref["ratio_carl_batch1_to_highway_env"] = round(ours["steps_per_s"] / ref["steps_per_s"], 1)
-        best = max(r["steps_per_s"] for r in results if r["bev"] == "none")
+        best = max(r["steps_per_s"] for r in results if r["observation"] == "none")
         ref["ratio_carl_best_to_highway_env"] = round(best / ref["steps_per_s"], 1)
         print(json.dumps(ref), flush=True)
     else:

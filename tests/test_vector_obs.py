@@ -197,3 +197,21 @@ def test_a_backend_that_cannot_build_it_says_so() -> None:
     cfg = _cfg()
     with pytest.raises(ConfigError, match="observation=vector.*CarlaObserver"):
         SimEnv(cfg, 1, world=build_world(road(), [route()], cfg, torch.device("cpu")), observer=CarlaObserver())
+
+
+def test_actors_are_placed_along_and_across_the_route_ahead() -> None:
+    """Ego at route point x = 10 (heading 0.3: the route frame does not turn with the ego). A vehicle at (30, 2) is
+    20 route metres ahead, 2 m left of it. One at (63, 2.5), past the lane change to y = 3.5, lies beside the route
+    point x = 63 (a sample: route metre 10 + 4 * 14 = 66 falls on it), 49 + hop + 13 route metres from the start:
+    s = that - 10, d = 2.5 - 3.5 = -1 (right of the route)."""
+    env = make_env(vehicles=3)
+    place(env, 10.0, 0.0, 0.3, 10)
+    v = env.state.veh
+    for i, p in enumerate(((30.0, 2.0), (63.0, 2.5))):
+        v.xy[0, i], v.valid[0, i] = torch.tensor(p), True
+    obs = env.observe()[OBS_VEHICLES][0]
+    f = F[OBS_VEHICLES]
+    assert obs[0, f["route_s_m"]].item() == pytest.approx(20.0, abs=1e-3)
+    assert obs[0, f["route_d_m"]].item() == pytest.approx(2.0, abs=1e-3)
+    assert obs[1, f["route_s_m"]].item() == pytest.approx(49.0 + math.hypot(1.0, W) + 13.0 - 10.0, abs=1e-3)
+    assert obs[1, f["route_d_m"]].item() == pytest.approx(-1.0, abs=1e-3)

@@ -52,8 +52,8 @@ class VectorMaps:
     cell_points: Tensor  # [C+1, K] long: each cell's K nearest lane points, nearest first (P: none)
     origin: Tensor  # [2] the grid's lower corner
     route_at_m: Tensor  # [NR, M] long: the route point (flat over [NR, R]) at each whole metre of each route
-    route_feat: Tensor  # [NR * R, 8] x, y, cos, sin, junction, speed limit, lane changes to the left and to the right
-    # so far (running counts) at each route point
+    route_feat: Tensor  # [NR * R, 9] x, y, cos, sin, junction, speed limit, lane changes to the left and to the right
+    # so far (running counts), route metres, at each route point
 
 
 def vector_maps(world: World, vc: VectorConfig) -> VectorMaps:
@@ -104,7 +104,7 @@ def _cell_table(xy: np.ndarray, k: int, radius: float) -> tuple[np.ndarray, np.n
 
 
 def _route_tables(world: World) -> tuple[np.ndarray, np.ndarray]:
-    """(route point at each whole metre [NR, M], flat over [NR, R]; route features [NR * R, 8]). A lane
+    """(route point at each whole metre [NR, M], flat over [NR, R]; route features [NR * R, 9]). A lane
     change is a step to the lane's left / right neighbour, or to a lane that is no successor (then its side is the
     side the route moves to over the next 5 points)."""
     g = world.graph
@@ -135,8 +135,8 @@ def _route_tables(world: World) -> tuple[np.ndarray, np.ndarray]:
     d = d / np.maximum(np.linalg.norm(d, axis=-1, keepdims=True), 1e-6)
     feat = np.concatenate((pts, d, world.route_junction.cpu().numpy()[..., None],
                            world.lane_speed.cpu().numpy()[lane][..., None], left_cum[..., None],
-                           right_cum[..., None]), -1)
-    return at_m, feat.reshape(-1, 8).astype(np.float32)
+                           right_cum[..., None], cum[..., None]), -1)
+    return at_m, feat.reshape(-1, 9).astype(np.float32)
 
 
 def _build(world: World, vc: VectorConfig) -> VectorMaps:
@@ -177,6 +177,19 @@ def _within(f: Tensor, radius: float) -> Tensor:
     return f * (near & (f[..., -1:] > 0))
 
 
+def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Tensor:
+    """Ego-frame points [B, A, 2] in the route's frame: (metres along the route from the ego's route point, metres
+    to its left) [B, A, 2], measured from the nearest valid route point (``route`` [B, N, 4]: x, y, cos, sin; its
+    route metres ``arc`` [B, N]; ``ok`` [B, N])."""
+    d = (xy.unsqueeze(2) - route[:, None, :, :2]).square().sum(-1)  # [B, A, N]
+    j = torch.where(ok.unsqueeze(1), d, torch.full_like(d, math.inf)).argmin(-1)  # [B, A]
+    q = torch.gather(route, 1, j.unsqueeze(-1).expand(-1, -1, 4))  # [B, A, 4]
+    rel = xy - q[..., :2]
+    along = torch.gather(arc, 1, j) + rel[..., 0] * q[..., 2] + rel[..., 1] * q[..., 3]
+    left = q[..., 2] * rel[..., 1] - q[..., 3] * rel[..., 0]
+    return torch.stack((along, left), -1)
+
+
 class VectorObserver(Observer):
     """The vector observation (module docstring); the critic keeps CaRL's value measurements."""
 
@@ -210,23 +223,28 @@ class VectorObserver(Observer):
         w, cfg = self.setup.world, self.setup.cfg
         if speed_limit is None:
             speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]
+        route, frame = self.route(s)
         return {OBS_MEASUREMENTS: measurements(s, speed_limit),
                 OBS_VALUE_MEASUREMENTS: value_measurements(w, s, cfg, cfg.reward),
-                OBS_ROUTE: self.route(s), OBS_LANES: self.lanes(s), **self.actors(s), OBS_STOPS: self.stops(s, lights)}
+                OBS_ROUTE: route, OBS_LANES: self.lanes(s), **self.actors(s, frame), OBS_STOPS: self.stops(s, lights)}
 
-    def route(self, s) -> Tensor:  # noqa: ANN001
-        """The route every ``route_spacing`` m ahead of the ego's route point; invalid past the route's end."""
+    def route(self, s) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:  # noqa: ANN001
+        """The route every ``route_spacing`` m ahead of the ego's route point (invalid past the route's end), and the
+        route frame the actors are placed in: the ego's route point and those samples (ego-frame x, y, cos, sin
+        [B, N+1, 4], route metres from the ego's point [B, N+1], validity [B, N+1])."""
         w, m = self.setup.world, self.maps
         B, N = s.route_id.shape[0], self.offsets.shape[0]
         at = w.route_cum[s.route_id, s.route_idx].unsqueeze(1) + self.offsets  # [B, N] route metres
         valid = (at <= w.route_len[s.route_id].unsqueeze(1)).unsqueeze(-1).float()
         k = m.route_at_m[s.route_id.unsqueeze(1), at.long().clamp(max=m.route_at_m.shape[1] - 1)]
         here = (s.route_id * w.route_pts.shape[1] + s.route_idx).unsqueeze(1)
-        f = m.route_feat.index_select(0, torch.cat((here, k), 1).view(-1)).view(B, N + 1, 8)
-        turns = (f[:, 1:, 6:] > f[:, :-1, 6:]).float()  # a lane change since the previous point, to the left / right
-        pose = ego_frame(f[:, 1:, :6], s.ego_xy, s.ego_yaw, 2)  # x, y, cos, sin, junction, speed limit
-        return torch.cat((pose[..., :5], turns[..., :1] - turns[..., 1:], pose[..., 5:], torch.ones_like(valid)),
-                         -1) * valid
+        f = m.route_feat.index_select(0, torch.cat((here, k), 1).view(-1)).view(B, N + 1, 9)
+        turns = (f[:, 1:, 6:8] > f[:, :-1, 6:8]).float()  # a lane change since the previous point, to the left / right
+        pose = ego_frame(f[..., :6], s.ego_xy, s.ego_yaw, 2)  # x, y, cos, sin, junction, speed limit
+        route = torch.cat((pose[:, 1:, :5], turns[..., :1] - turns[..., 1:], pose[:, 1:, 5:], torch.ones_like(valid)),
+                          -1) * valid
+        frame_ok = torch.cat((torch.ones_like(valid[:, :1, 0]), valid[..., 0]), 1) > 0
+        return route, (pose[..., :4], f[..., 8] - f[:, :1, 8], frame_ok)
 
     def lanes(self, s) -> Tensor:  # noqa: ANN001
         """The ego's grid cell's nearest lane points, masked beyond ``lane_radius`` of the ego."""
@@ -241,9 +259,9 @@ class VectorObserver(Observer):
         f = m.lane_feat.index_select(0, idx.view(-1)).view(B, K, -1)  # the padding point is all zero
         return _within(ego_frame(f, s.ego_xy, s.ego_yaw, 2), self.setup.cfg.vector.lane_radius)
 
-    def actors(self, s) -> dict[str, Tensor]:  # noqa: ANN001
+    def actors(self, s, frame: tuple[Tensor, Tensor, Tensor]) -> dict[str, Tensor]:  # noqa: ANN001
         """The nearest vehicles, pedestrians and static objects within ``actor_radius`` (all of them, in slot order,
-        where the set holds every slot)."""
+        where the set holds every slot), each also placed in the route ``frame`` (:func:`route_coordinates`)."""
         v, p, o = s.veh, s.ped, s.statics
         col = lambda x: x.unsqueeze(-1).float()  # noqa: E731
         heading = lambda a: torch.stack((torch.cos(a.yaw), torch.sin(a.yaw)), -1)  # noqa: E731
@@ -255,8 +273,9 @@ class VectorObserver(Observer):
                 (OBS_STATICS, (o.xy, heading(o), o.half, col(o.valid)), 2))
         out = {}
         for key, cols, pairs in sets:
-            f = self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key])
-            out[key] = _within(ego_frame(f, s.ego_xy, s.ego_yaw, pairs), self.setup.cfg.vector.actor_radius)
+            f = ego_frame(self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key]), s.ego_xy, s.ego_yaw, pairs)
+            f = torch.cat((f[..., :-1], route_coordinates(f[..., :2], *frame), f[..., -1:]), -1)
+            out[key] = _within(f, self.setup.cfg.vector.actor_radius)
         return out
 
     def _nearest(self, f: Tensor, ego_xy: Tensor, k: int) -> Tensor:
@@ -288,6 +307,6 @@ class VectorObserver(Observer):
         first_sign = sign & (torch.cumsum(sign.long(), 1) == 1)  # stop_done refers to the next sign
         cols = torch.stack((dist.clamp(max=1e4), *to_ego(w.stop_xy[stop], s.ego_xy, s.ego_yaw).unbind(-1),
                             ((state == 0) & light).float(), ((state == 1) & light).float(),
-                            ((state == 2) & light).float(), yellow_left * light, sign.float(),
+                            ((state == 2) & light).float(), yellow_left * ((state == 1) & light), sign.float(),
                             (first_sign & s.stop_done.unsqueeze(1)).float(), valid.float()), -1)
         return cols * valid.unsqueeze(-1)
