@@ -60,7 +60,7 @@ class SimGymEnv(gymnasium.Env):
         if seed is None:
             seed = int(self.np_random.integers(2**31 - 1))
         obs = _numpy(self.sim.reset(seed=seed))
-        self._last_bev = obs["bev"]
+        self._last_bev = obs.get("bev")  # None for the vector observation (nothing to render)
         return {k: v[0] for k, v in obs.items()}, {}
 
     def step(self, action):
@@ -68,7 +68,7 @@ class SimGymEnv(gymnasium.Env):
         done = bool(r.terminated[0] | r.truncated[0])
         obs = final_obs(r.info) if done else r.obs
         obs = {k: v[0] for k, v in _numpy(obs).items()}
-        self._last_bev = obs["bev"][None]
+        self._last_bev = obs["bev"][None] if "bev" in obs else None
         info = _info(r.info, 0) if done else {}
         return obs, float(r.reward[0]), bool(r.terminated[0]), bool(r.truncated[0]), info
 

@@ -37,3 +37,12 @@ def test_make_vec_uses_the_batched_simulator():
     obs, reward, term, trunc, info = venv.step(np.zeros((4, 2), np.float32))
     assert reward.shape == (4,) and term.dtype == bool
     assert venv.single_action_space.shape == (2,)
+
+
+def test_the_vector_observation_is_a_dict_space_that_passes_the_checker():
+    env = gymnasium.make("carl/Sim-v0", **{**OPTIONS, "observation": "vector", "bev": False})
+    check_env(env.unwrapped, skip_render_check=True)
+    obs, _ = env.reset(seed=1)
+    assert "bev" not in obs and obs["lanes"].shape == (32, 9) and obs["route"].shape == (20, 8)
+    obs, *_ = env.step(np.array([0.0, 0.5], np.float32))
+    assert env.observation_space.contains(obs)
