@@ -5,7 +5,8 @@ BEV (:data:`envs.api.VECTOR_FEATURES`):
 
 * each entity set (lanes, vehicles, pedestrians, statics, stops) -> a shared per-entity MLP
   ``F -> embed -> embed`` (ReLU after each layer), zeroed on padding rows, max-pooled over the set (PointNet's
-  symmetric pool: the order and the number of entities do not matter; an empty set pools to 0);
+  symmetric pool: the order and the number of entities do not matter; an empty set pools to 0); the actors' and the
+  stop lines' MLPs also see the ego's measurements beside each entity (``CONDITIONED_SETS``);
 * the route (ordered points) flattened -> MLP to ``hidden``; the measurements -> MLP to ``hidden``;
 * fusion: concat -> ``fusion`` -> ``features`` (Linear, LayerNorm, ReLU), then CaRL's heads.
 
@@ -19,10 +20,12 @@ from torch import nn
 
 from carl.config import ModelConfig
 from carl.policy import ActorCritic, _mlp
-from envs.api import OBS_MEASUREMENTS, OBS_ROUTE, VECTOR_SETS, TensorSpec
+from envs.api import (OBS_MEASUREMENTS, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STATICS, OBS_STOPS, OBS_VEHICLES, VECTOR_SETS,
+                      TensorSpec)
 
 UNIT_SCALES = (("_mps", 0.1), ("_m", 0.05), ("_s", 0.2))  # feature-name suffix -> input scale (first match)
 POOLED_SETS = tuple(k for k in VECTOR_SETS if k != OBS_ROUTE)
+CONDITIONED_SETS = (OBS_VEHICLES, OBS_PEDESTRIANS, OBS_STATICS, OBS_STOPS)  # entities read beside the ego's state
 
 
 def unit_scale(names: tuple[str, ...] | list[str], width: int) -> torch.Tensor:
@@ -34,16 +37,21 @@ def unit_scale(names: tuple[str, ...] | list[str], width: int) -> torch.Tensor:
 
 
 class SetEncoder(nn.Module):
-    """A padded set [B, K, F] (validity flag last) -> [B, embed]: shared MLP per entity, masked max-pool."""
+    """A padded set [B, K, F] (validity flag last) -> [B, embed]: shared MLP per entity, masked max-pool. With
+    ``context`` > 0 each entity also sees a context vector [B, context] (the ego's measurements): what makes an
+    actor matter (closing speed, time to reach it) depends on the ego as much as on the actor."""
 
-    def __init__(self, width: int, embed: int, scale: torch.Tensor) -> None:
+    def __init__(self, width: int, embed: int, scale: torch.Tensor, context: int = 0) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(width, embed), nn.ReLU(inplace=True), nn.Linear(embed, embed),
+        self.mlp = nn.Sequential(nn.Linear(width + context, embed), nn.ReLU(inplace=True), nn.Linear(embed, embed),
                                  nn.ReLU(inplace=True))
         self.register_buffer("scale", scale, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.where(x[..., -1:] > 0, self.mlp(x * self.scale), 0.0)  # ReLU outputs >= 0: padding never wins
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        inp = x * self.scale
+        if context is not None:
+            inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
+        h = torch.where(x[..., -1:] > 0, self.mlp(inp), 0.0)  # ReLU outputs >= 0: padding never wins
         return h.max(1).values  # (max's backward scatters through its indices: cheaper than amax's)
 
 
@@ -70,13 +78,14 @@ class SetPolicy(ActorCritic):
                 raise ValueError(f"observation {key!r} has shape {observation_spec[key].shape}; the set policy needs "
                                  "[count, features] (env.options.observation=vector)")
         spec = lambda k: observation_spec[k]  # noqa: E731
+        n_meas = spec(OBS_MEASUREMENTS).shape[0]
         self.sets = nn.ModuleDict({k: SetEncoder(spec(k).shape[1], embed_dim, unit_scale(spec(k).names,
-                                                                                          spec(k).shape[1]))
+                                                                                          spec(k).shape[1]),
+                                                 n_meas if k in CONDITIONED_SETS else 0)
                                    for k in POOLED_SETS})
         n, f = spec(OBS_ROUTE).shape
         self.register_buffer("route_scale", unit_scale(spec(OBS_ROUTE).names, f), persistent=False)
         self.route_mlp = _mlp([n * f, hidden_dim])
-        n_meas = spec(OBS_MEASUREMENTS).shape[0]
         self.register_buffer("meas_scale", unit_scale(spec(OBS_MEASUREMENTS).names, n_meas), persistent=False)
         self.measurement_mlp = _mlp([n_meas, hidden_dim])
         self.fusion = _mlp([embed_dim * len(POOLED_SETS) + 2 * hidden_dim, fusion_dim, features_dim])
@@ -86,7 +95,8 @@ class SetPolicy(ActorCritic):
         return f"SetPolicy {self.num_params() / 1e6:.2f}M params; sets: {sizes}"
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pooled = [enc(obs[k].float()) for k, enc in self.sets.items()]
+        ego = obs[OBS_MEASUREMENTS].float() * self.meas_scale
+        pooled = [enc(obs[k].float(), ego if k in CONDITIONED_SETS else None) for k, enc in self.sets.items()]
         route = self.route_mlp((obs[OBS_ROUTE].float() * self.route_scale).flatten(1))
-        meas = self.measurement_mlp(obs[OBS_MEASUREMENTS].float() * self.meas_scale)
+        meas = self.measurement_mlp(ego)
         return self.fusion(torch.cat([*pooled, route, meas], dim=-1))

@@ -76,3 +76,20 @@ def test_towns_preset_trains_on_longest6_towns_without_its_routes():
     opts = OmegaConf.to_container(compose(["+experiment=towns"]))["env"]["options"]
     assert list(opts["maps"]) == [f"Town0{i}" for i in range(1, 7)]
     assert not opts.get("route_file")  # random routes only; the benchmark's routes are never trained on
+
+
+@pytest.mark.parametrize("preset, twin", [("quick_vector", "quick"), ("towns_vector", "towns")])
+def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin):
+    """Same world, routes, traffic and evaluation as the BEV twin; the vector observation with the set policy; a
+    config that validates (minibatch divides the batch)."""
+    from carl.config import TrainConfig
+    from carl.train import train_config
+
+    vec = OmegaConf.to_container(compose([f"+experiment={preset}"]))
+    bev = OmegaConf.to_container(compose([f"+experiment={twin}"]))
+    assert vec["model"]["name"] == "set" and vec["env"]["options"]["observation"] == "vector"
+    bev_only = {"bev_size", "bev_ppm", "bev_ego_from_bottom", "observation", "bev"}
+    same = {k: v for k, v in bev["env"]["options"].items() if k not in bev_only}
+    assert {k: vec["env"]["options"].get(k) for k in same} == same
+    assert vec["env"].get("eval_options") == bev["env"].get("eval_options")
+    assert isinstance(train_config([f"+experiment={preset}"]), TrainConfig)
