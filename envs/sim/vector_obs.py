@@ -181,8 +181,10 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     """Ego-frame points [B, A, 2] in the route's frame: (metres along the route from the ego's route point, metres
     to its left) [B, A, 2], measured from the nearest valid route point (``route`` [B, N, 4]: x, y, cos, sin; its
     route metres ``arc`` [B, N]; ``ok`` [B, N])."""
-    d = (xy.unsqueeze(2) - route[:, None, :, :2]).square().sum(-1)  # [B, A, N]
-    j = torch.where(ok.unsqueeze(1), d, torch.full_like(d, math.inf)).argmin(-1)  # [B, A]
+    rx, ry = route[..., 0].contiguous().unsqueeze(1), route[..., 1].contiguous().unsqueeze(1)  # [B, 1, N]
+    dx, dy = xy[..., :1] - rx, xy[..., 1:] - ry  # [B, A, N]
+    d = torch.where(ok.unsqueeze(1), dx * dx + dy * dy, math.inf)
+    j = d.argmin(-1)  # [B, A]
     q = torch.gather(route, 1, j.unsqueeze(-1).expand(-1, -1, 4))  # [B, A, 4]
     rel = xy - q[..., :2]
     along = torch.gather(arc, 1, j) + rel[..., 0] * q[..., 2] + rel[..., 1] * q[..., 3]
@@ -271,12 +273,12 @@ class VectorObserver(Observer):
                                 col((v.lights & LIGHT_EMERGENCY) != 0), col(v.valid)), 3),
                 (OBS_PEDESTRIANS, (p.xy, p_dir, p_dir * p_speed, col(p.valid)), 3),
                 (OBS_STATICS, (o.xy, heading(o), o.half, col(o.valid)), 2))
-        out = {}
-        for key, cols, pairs in sets:
-            f = ego_frame(self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key]), s.ego_xy, s.ego_yaw, pairs)
-            f = torch.cat((f[..., :-1], route_coordinates(f[..., :2], *frame), f[..., -1:]), -1)
-            out[key] = _within(f, self.setup.cfg.vector.actor_radius)
-        return out
+        posed = [ego_frame(self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key]), s.ego_xy, s.ego_yaw, pairs)
+                 for key, cols, pairs in sets]
+        along = route_coordinates(torch.cat([f[..., :2] for f in posed], 1), *frame).split(  # one pass for all
+            [f.shape[1] for f in posed], 1)
+        return {key: _within(torch.cat((f[..., :-1], a, f[..., -1:]), -1), self.setup.cfg.vector.actor_radius)
+                for (key, _, _), f, a in zip(sets, posed, along)}
 
     def _nearest(self, f: Tensor, ego_xy: Tensor, k: int) -> Tensor:
         """Of the actors (features [B, A, F]: x, y first, the validity flag last) the ``k`` nearest valid ones, nearest
