@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from carl.bundle import (BUNDLE_FORMAT, FILES, ONNX_OUTPUTS, Actor, BundleError, actor_for, carl_version,
-                         check_bundle, control_dt_of, make_spec, policy_from_checkpoint, quiet_export,
-                         random_observations, sha256_file)
+from carl.bundle import (Actor, BundleError, actor_for, check_bundle, policy_from_checkpoint, quiet_export,
+                         random_observations)
+from carl.spec import (BUNDLE_FORMAT, FILES, ONNX_OUTPUTS, carl_version, control_dt_of, make_spec, sha256_file)
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError

@@ -165,8 +165,9 @@ class ActorCritic(nn.Module):
 
     INPUTS: tuple[str, ...] = ()
 
-    def _build_heads(self, observation_spec: dict[str, TensorSpec], action_dim: int, features_dim: int,
-                     hidden_dim: int, action_names: tuple[str, ...]) -> None:
+    def _read_spec(self, observation_spec: dict[str, TensorSpec], action_names: tuple[str, ...]) -> None:
+        """The input shapes and names this network records (its signature), or a clear error for an observation
+        without its inputs."""
         keys = (*self.INPUTS, OBS_VALUE_MEASUREMENTS)
         missing = [k for k in keys if k not in observation_spec]
         if missing:
@@ -177,7 +178,11 @@ class ActorCritic(nn.Module):
         self.layout = {k: list(observation_spec[k].names) for k in keys if observation_spec[k].names}
         if action_names:
             self.layout["actions"] = list(action_names)
-        n_vmeas = observation_spec[OBS_VALUE_MEASUREMENTS].shape[0]
+
+    def _build_heads(self, action_dim: int, features_dim: int, hidden_dim: int) -> None:
+        """CaRL's policy and value heads over the feature (built after the encoder: the parameter order, which the
+        optimizer state of a checkpoint follows, is CaRL's network's)."""
+        n_vmeas = self.obs_shapes[OBS_VALUE_MEASUREMENTS][0]
         self.policy_head = _mlp([features_dim, hidden_dim, hidden_dim])
         self.alpha_out = nn.Linear(hidden_dim, action_dim)
         self.beta_out = nn.Linear(hidden_dim, action_dim)
@@ -265,7 +270,7 @@ class CarlPolicy(ActorCritic):
         action_names: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
-        self._build_heads(observation_spec, action_dim, features_dim, hidden_dim, action_names)
+        self._read_spec(observation_spec, action_names)
         c, h, w = observation_spec[OBS_BEV].shape
         n_meas = observation_spec[OBS_MEASUREMENTS].shape[0]
         self.conv_plan = plan_conv_stack(c, h, w, min_final_size)
@@ -283,6 +288,7 @@ class CarlPolicy(ActorCritic):
 
         self.measurement_mlp = _mlp([n_meas, hidden_dim, hidden_dim])
         self.fusion = _mlp([cnn_out + hidden_dim, fusion_dim, features_dim])
+        self._build_heads(action_dim, features_dim, hidden_dim)
 
         for m in self.cnn.modules():
             if isinstance(m, nn.Conv2d):

@@ -72,7 +72,7 @@ class SetPolicy(ActorCritic):
         action_names: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
-        self._build_heads(observation_spec, action_dim, features_dim, hidden_dim, action_names)
+        self._read_spec(observation_spec, action_names)
         for key in VECTOR_SETS:
             if len(observation_spec[key].shape) != 2:
                 raise ValueError(f"observation {key!r} has shape {observation_spec[key].shape}; the set policy needs "
@@ -89,6 +89,7 @@ class SetPolicy(ActorCritic):
         self.register_buffer("meas_scale", unit_scale(spec(OBS_MEASUREMENTS).names, n_meas), persistent=False)
         self.measurement_mlp = _mlp([n_meas, hidden_dim])
         self.fusion = _mlp([embed_dim * len(POOLED_SETS) + 2 * hidden_dim, fusion_dim, features_dim])
+        self._build_heads(action_dim, features_dim, hidden_dim)
 
     def describe(self) -> str:
         sizes = ", ".join(f"{k} {self.obs_shapes[k][0]}" for k in VECTOR_SETS)

@@ -78,10 +78,10 @@ DRIVE = """
     from envs.carla.worker import build_carla_env
     from carl.deploy.leaderboard_agent import CarlAgent
     from envs.maps.opendrive import world_to_carla
-    rpc, tm, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rpc, tm, ckpt, extra = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[5])
     cc, sc = split_options(dict(town="Town01", traffic_vehicles=2, traffic_pedestrians=2, walker_ai=False,
                                 bev_size=32, bev_ppm=1.0, bev_ego_from_bottom=10, route_split="eval", num_routes=16,
-                                num_vehicles=8, num_pedestrians=4))
+                                num_vehicles=8, num_pedestrians=4, **extra))
     w = build_carla_env(cc, sc, rpc, tm, seed=0)  # spawns the hero at route 0's start and traffic, like the evaluator
     ref = w.reset(seed=0)
     rid = int(w.state.route_id[0]); n = int(w.world.route_n[rid])
@@ -98,8 +98,10 @@ DRIVE = """
     hero = w.actors.tracked.ego
     c0 = agent.run_step({}, 0.0)
     obs0 = agent.last_obs
-    out = {"control": type(c0).__name__,
-           "bev_diff_frac": float((obs0["bev"] != ref["bev"]).float().mean()),
+    out = {"control": type(c0).__name__, "keys": sorted(obs0),
+           "bev_diff_frac": float((obs0["bev"] != ref["bev"]).float().mean()) if "bev" in ref else 0.0,
+           "obs_diff": {k: float((obs0[k].float() - ref[k].float()).abs().max()) for k in ref},
+           "vehicle_cols": ((obs0["vehicles"] - ref["vehicles"]).abs().amax((0, 1)).tolist() if "vehicles" in ref else []),
            "meas_diff": float((obs0["measurements"] - ref["measurements"]).abs().max()),
            "ped_valid": int(agent.mirror.state.ped.valid.sum()), "veh_valid": int(agent.mirror.state.veh.valid.sum()),
            "lights_matched": agent.mirror.light_src.matched}
@@ -118,21 +120,52 @@ DRIVE = """
 """
 
 
-@pytest.mark.carla
-@needs_maps
-def test_agent_drives_through_the_real_client(tmp_path: Path) -> None:
-    srv = CarlaServer(standin_executable(tmp_path, TOWN01, MAPS), PortAllocator(base=24700).allocate(), tmp_path,
+def _drive(tmp_path: Path, ckpt: Path, extra: dict, port: int) -> dict:
+    """The agent's run on the stand-in server beside the env worker (the DRIVE script); its result line."""
+    srv = CarlaServer(standin_executable(tmp_path, TOWN01, MAPS), PortAllocator(base=port).allocate(), tmp_path,
                       ready_timeout=30)
     srv.start()
     try:
         srv.wait_ready()
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(DRIVE), str(srv.ports.rpc), str(srv.ports.tm),
-                               str(tiny_checkpoint(tmp_path / "tiny.pt")), "150"], capture_output=True, text=True,
+                               str(ckpt), "150", json.dumps(extra)], capture_output=True, text=True,
                               timeout=180, cwd=ROOT)
     finally:
         srv.kill()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.carla
+@needs_maps
+def test_agent_with_a_vector_policy_sees_what_the_env_worker_sees(tmp_path: Path) -> None:
+    """A set-policy checkpoint: the agent mirrors CARLA into the vector observation at the policy's sizes, equal to
+    the env worker's (built with the same sizes) on the same route, and drives at 10 Hz."""
+    from test_set_policy import COUNTS, tiny_set_checkpoint
+
+    from carl.bundle import load_policy
+
+    ckpt = tiny_set_checkpoint(tmp_path / "set.pt")
+    geometry = load_policy(ckpt)[1]["vector_geometry"]
+    r = _drive(tmp_path, ckpt, {"observation": "vector", "bev": False, "vector": geometry}, 24800)
+    assert "bev" not in r["keys"] and "lanes" in r["keys"], r
+    # the map side, the route, the ego and the lights are the worker's (the route re-planned from the sparse plan:
+    # float rounding); the two vehicles are the same ones in the same rows, with the same sizes and lights; their
+    # poses and velocities are read by the agent from the client's actors, not from the worker's state (measured:
+    # 1.3 cm and 0.26 m/s apart): positions within 5 cm, velocities within 0.5 m/s
+    assert max(v for k, v in r["obs_diff"].items() if k != "vehicles") < 1e-4, r
+    cols = dict(zip(("x", "y", "cos", "sin", "vx", "vy", "hl", "hw", "brake", "emergency", "s", "d", "valid"),
+                    r["vehicle_cols"]))
+    assert cols["valid"] == 0.0 and max(cols["x"], cols["y"], cols["s"], cols["d"]) < 0.05, cols
+    assert max(cols["vx"], cols["vy"]) < 0.5 and cols["hl"] == cols["hw"] == 0.0, cols
+    assert r["actions"] == 21 and r["steps"] == 20 and r["veh_valid"] == 2, r
+    assert COUNTS["vehicles"] == geometry["vehicles"]
+
+
+@pytest.mark.carla
+@needs_maps
+def test_agent_drives_through_the_real_client(tmp_path: Path) -> None:
+    r = _drive(tmp_path, tiny_checkpoint(tmp_path / "tiny.pt"), {}, 24700)
     assert r["control"] == "VehicleControl"
     assert r["actions"] == 21 and r["steps"] == 20 and abs(r["t"] - 2.0) < 1e-5  # 10 Hz policy on a 20 Hz world
     # the agent's first observation is the env worker's on the same route (the route re-planned from the sparse

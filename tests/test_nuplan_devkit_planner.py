@@ -137,3 +137,37 @@ def test_plan_with_a_nuplan_layout_bundle(tmp_path):
     traj, _ = dp.plan(b, lambda o: torch.tensor([[0.0, 1.0]]), ego, ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0,
                       np.zeros(2), steps=10)
     assert traj[-1, 3] - traj[0, 3] > 0.05 and traj[-1, 4] == pytest.approx(2.0, abs=1e-4)
+
+
+def test_plan_with_a_vector_bundle(tmp_path):
+    """A set-policy bundle: the adapter builds the vector observation with the env's vector observer at the bundle's
+    sizes (a vehicle 10 m ahead of the rear axle is a valid row ahead of the ego, on its route) and plans with it."""
+    import carl
+    from carl.bundle import observation_layout
+    from carl.export import export_bundle
+    from envs.nuplan.cache import REAR_AXLE_TO_CENTRE
+    from envs.nuplan.nuplan_map import load_location
+    from envs.nuplan.synthetic import make_synthetic_dataset
+    from test_set_policy import COUNTS, tiny_set_checkpoint
+
+    root = make_synthetic_dataset(tmp_path / "data", num_logs=1)
+    export_bundle(tiny_set_checkpoint(tmp_path / "run" / "last.pt"), tmp_path / "bundle", onnx=False)
+    policy, spec = carl.load_policy(tmp_path / "bundle")
+    assert observation_layout(spec) == "vector"
+    m = load_location(root / "maps", next(iter(p.name for p in (root / "maps").iterdir() if p.is_dir())))
+    lane = next(lane for lane in m.lanes.values() if not lane.is_connector)
+    start = lane.baseline[0]
+    yaw = float(np.arctan2(*(lane.baseline[1] - lane.baseline[0])[::-1]))
+    sim = {"observation": "vector", "bev": False, "vector": dict(spec["vector_geometry"])}
+    b = dp.ObservationBuilder(m, start, yaw, [lane.group], cache_dir=str(tmp_path / "r"), sim=sim,
+                              layout=observation_layout(spec))
+    ahead = np.array([[*(start + 10 * np.array([math.cos(yaw), math.sin(yaw)])), yaw, 4.5, 2.0, 0.0, 0.0]])
+    b.set_state(start, yaw, 2.0, 0.0, 0.0, np.zeros(2), ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0)
+    obs = b.observe()
+    assert "bev" not in obs and obs["vehicles"].shape == (1, COUNTS["vehicles"], 13)
+    row = obs["vehicles"][0, obs["vehicles"][0, :, -1] > 0]
+    assert len(row) == 1 and row[0, 0].item() == pytest.approx(10.0 - REAR_AXLE_TO_CENTRE, abs=0.2)
+    assert abs(row[0, 1].item()) < 0.2
+    ego = {"rear": start, "yaw": yaw, "speed": 2.0, "accel": 0.0, "steer": 0.0}
+    traj, first = dp.plan(b, policy, ego, ahead, np.zeros((0, 7)), np.zeros((0, 7)), {}, 0.0, np.zeros(2), steps=10)
+    assert traj.shape == (11, 7) and np.isfinite(traj).all() and np.all(np.abs(first) <= 1.0)

@@ -102,12 +102,7 @@ def test_the_bundle_of_a_set_policy_matches_its_checkpoint(tmp_path: Path) -> No
     pytest.importorskip("onnxruntime")
     from carl.export import export_bundle
 
-    p = policy()
-    cfg = TrainConfig().to_dict()
-    cfg["env"]["options"] = {"observation": "vector", "vector": {"lanes": COUNTS["lanes"]}}
-    cfg["model"].update(TINY)
-    ckpt = tmp_path / "last.pt"
-    atomic_save(make_checkpoint(p, torch.optim.Adam(p.parameters()), 1, 16, p.signature(), cfg), ckpt)
+    ckpt = tiny_set_checkpoint(tmp_path / "last.pt")
     spec_ = export_bundle(ckpt, tmp_path / "bundle", onnx_exporter="torchscript")
     assert observation_layout(spec_) == "vector" and spec_["inputs"] == [OBS_MEASUREMENTS, *VECTOR_SETS]
     assert spec_["vector_geometry"]["lanes"] == COUNTS["lanes"] and spec_["vector_geometry"]["vehicles"] == 5
@@ -120,3 +115,14 @@ def test_the_bundle_of_a_set_policy_matches_its_checkpoint(tmp_path: Path) -> No
     with pytest.raises(Exception, match="observation lacks"):
         loaded({"bev": torch.zeros(3, 10, 32, 32, dtype=torch.uint8), OBS_MEASUREMENTS: obs[OBS_MEASUREMENTS]})
     assert json.loads((tmp_path / "bundle" / "spec.json").read_text())["onnx"]["inputs"] == spec_["inputs"]
+
+
+def tiny_set_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A carl-train checkpoint of a tiny set policy (the vector observation at COUNTS), as carl-train writes it."""
+    p = policy(seed)
+    cfg = TrainConfig().to_dict()
+    cfg["env"]["options"] = {"observation": "vector", "bev": False, "vector": {"lanes": COUNTS["lanes"]}}
+    cfg["model"].update(TINY)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(make_checkpoint(p, torch.optim.Adam(p.parameters()), 1, 16, p.signature(), cfg), path)
+    return path

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from envs.api import OBS_LANES, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STATICS, OBS_STOPS, OBS_VEHICLES, VECTOR_FEATURES
+from envs.api import OBS_LANES, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STOPS, OBS_VEHICLES, VECTOR_FEATURES
 from envs.config import ConfigError, from_dict
 from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
 from envs.maps.routes import Route

@@ -161,7 +161,7 @@ def to_ego(xy: Tensor, ego_xy: Tensor, ego_yaw: Tensor) -> Tensor:
 def ego_frame(f: Tensor, ego_xy: Tensor, ego_yaw: Tensor, pairs: int) -> Tensor:
     """Features [B, N, F] whose first column pair is a world position and the next ``pairs - 1`` pairs world
     vectors (headings, velocities), the rest frame-free, in the egos' frames (every pair rotated at once)."""
-    B, N, F = f.shape
+    B, N, _ = f.shape
     p = f[..., :2 * pairs].view(B, N, pairs, 2)
     p = p - F_ORIGIN[:pairs].to(f) * ego_xy.view(B, 1, 1, 2)  # only the position moves with the ego
     c, s = torch.cos(ego_yaw).view(B, 1, 1), torch.sin(ego_yaw).view(B, 1, 1)
