@@ -45,7 +45,7 @@ from carl.config import MODEL_NAMES
 from carl.policy import ActorCritic, CarlPolicy, beta_mean_action, beta_sample, make_policy
 from carl.spec import (BUNDLE_FORMAT, BUNDLE_VERSION, FILES, ONNX_INPUTS, ONNX_OUTPUTS, control_dt_of, make_spec,
                        sha256_file)
-from envs.api import ACTIONS, LAYOUT_CARLA, OBS_BEV, OBS_MEASUREMENTS, VECTOR_SETS, TensorSpec
+from envs.api import ACTIONS, LAYOUT_CARLA, OBS_BEV, OBS_MEASUREMENTS, TensorSpec
 
 PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -60,11 +60,10 @@ class BundleError(RuntimeError):
 class Actor(nn.Module):
     """The policy half of :class:`CarlPolicy` with positional tensor inputs (what TorchScript and ONNX export)."""
 
-    INPUTS = ONNX_INPUTS
-
     def __init__(self, policy: ActorCritic) -> None:
         super().__init__()
         self.policy = policy
+        self.inputs = policy.INPUTS  # the positional inputs, in order
 
     def forward(self, bev: torch.Tensor, measurements: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         alpha, beta = self.policy.actor({OBS_BEV: bev, OBS_MEASUREMENTS: measurements})
@@ -73,8 +72,6 @@ class Actor(nn.Module):
 
 class SetActor(Actor):
     """The policy half of the set policy (``model=set``) with positional inputs: the measurements, then the sets."""
-
-    INPUTS = (OBS_MEASUREMENTS, *VECTOR_SETS)  # = carl.spec.actor_input_names of a set policy
 
     def forward(self, measurements: torch.Tensor, route: torch.Tensor, lanes: torch.Tensor,  # type: ignore[override]
                 vehicles: torch.Tensor, pedestrians: torch.Tensor, statics: torch.Tensor, stops: torch.Tensor

@@ -517,6 +517,13 @@ def load(overrides: list[str], world_size: int = 1) -> TrainConfig:
 # ----------------------------------------------------------------------------------------------------------------
 # Range checks
 # ----------------------------------------------------------------------------------------------------------------
+def sim_options(options: Any) -> dict[str, Any]:
+    """The simulator options inside a backend's ``env.options`` (nuPlan nests them under ``sim``)."""
+    opts = dict(options or {})
+    opts.update(opts.get("sim", {}) if isinstance(opts.get("sim"), dict) else {})
+    return opts
+
+
 def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     """Check ranges, cross-field constraints and the backend's options; raise one :class:`ConfigError` listing every
     problem. ``ppo.minibatch_size`` is global: it must divide the batch of all ``world_size`` ranks."""
@@ -542,11 +549,12 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         p.accumulation_steps < 1 or p.minibatch_size % p.accumulation_steps == 0,
         f"ppo.accumulation_steps={p.accumulation_steps} must divide ppo.minibatch_size={p.minibatch_size}",
     )
-    observation = (e.options or {}).get("observation", "bev")
+    opts = sim_options(e.options)
+    observation = opts.get("observation", "bev")
+    key = "env.options.sim.observation" if isinstance((e.options or {}).get("sim"), dict) else "env.options.observation"
     wants = {"carl": "bev", "set": "vector"}[cfg.model.name] if cfg.model.name in MODEL_NAMES else observation
     _require(observation == wants, f"model.name={cfg.model.name} reads the {wants} observation but "
-             f"env.options.observation={observation}; set env.options.observation={wants}, or model.name="
-             f"{'set' if observation == 'vector' else 'carl'}")
+             f"{key}={observation}; set {key}={wants}, or model.name={'set' if observation == 'vector' else 'carl'}")
     dev = par.device
     _require(
         dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),

@@ -51,13 +51,13 @@ class ExportConfig:
 def _example_inputs(actor: Actor, spec: dict[str, Any], batch: int, bev_dtype: str) -> tuple[torch.Tensor, ...]:
     """Random inputs in the actor's positional order (the BEV in the dtype the bundle takes)."""
     obs = random_observations(spec, batch)
-    return tuple(obs[k].float() if k == OBS_BEV and bev_dtype == "float32" else obs[k] for k in actor.INPUTS)
+    return tuple(obs[k].float() if k == OBS_BEV and bev_dtype == "float32" else obs[k] for k in actor.inputs)
 
 
 def export_onnx(actor: Actor, example: tuple[torch.Tensor, ...], path: Path, exporter: str = "dynamo",
                 opset: int = 18) -> None:
     """Write ``actor`` as ONNX with a dynamic batch dimension (``exporter``: dynamo or the legacy torchscript one)."""
-    names = list(actor.INPUTS)
+    names = list(actor.inputs)
     if exporter == "dynamo":
         batch = torch.export.Dim("batch")
         program = torch.onnx.export(actor, example, input_names=names, output_names=list(ONNX_OUTPUTS),

@@ -9,23 +9,19 @@ from typing import Any
 
 import torch
 
+from carl.config import sim_options
 from carl.policy import ActorCritic, CarlPolicy
 from envs import options_schema
 from envs.api import (ACTIONS, BEV_CHANNELS, CONTROL_DT, LAYOUT_CARLA, LAYOUT_VECTOR, MEASUREMENTS,
-                      NUPLAN_ACTION_SCALING, OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, VALUE_MEASUREMENTS,
-                      VECTOR_FEATURES, VECTOR_SETS, layout_of)
+                      NUPLAN_ACTION_SCALING, OBS_BEV, OBS_MEASUREMENTS, OBS_ROUTE, OBS_VALUE_MEASUREMENTS,
+                      VALUE_MEASUREMENTS, VECTOR_FEATURES, VECTOR_SETS, layout_of)
 
 BUNDLE_FORMAT = "carl-policy-bundle"
 BUNDLE_VERSION = 1
 FILES = {"torchscript": "policy.ts", "onnx": "policy.onnx", "weights": "weights.safetensors",
          "config": "config.yaml", "spec": "spec.json"}
-ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)  # a BEV policy's actor inputs (a set policy's: the measurements, the sets)
+ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)  # the actor inputs of bundles written before spec.json listed them
 ONNX_OUTPUTS = ("action", "alpha", "beta")
-
-
-def actor_input_names(policy: ActorCritic) -> tuple[str, ...]:
-    """The exported actor's positional inputs: the BEV and the measurements, or the measurements and the sets."""
-    return ONNX_INPUTS if isinstance(policy, CarlPolicy) else (OBS_MEASUREMENTS, *VECTOR_SETS)
 
 
 def carl_version() -> str:
@@ -40,8 +36,7 @@ def carl_version() -> str:
 def bev_geometry(config: dict[str, Any], bev_size: int) -> dict[str, Any]:
     """BEV geometry from the training config's env options (the sim's defaults where unset)."""
     env = config.get("env", {}) or {}
-    opts = dict(env.get("options", {}) or {})
-    opts.update(opts.get("sim", {}) if isinstance(opts.get("sim"), dict) else {})  # nuPlan nests SimConfig options
+    opts = sim_options(env.get("options"))
     defaults = options_schema("sim")()  # the simulator's BEV geometry where the config leaves it unset
     ppm = float(opts.get("bev_ppm", defaults.bev_ppm))
     from_bottom = int(opts.get("bev_ego_from_bottom", defaults.bev_ego_from_bottom))
@@ -98,7 +93,7 @@ def make_spec(policy: ActorCritic, config: dict[str, Any], source: dict[str, Any
     shapes = {k: list(v) for k, v in policy.obs_shapes.items()}
     env_name = str((config.get("env") or {}).get("name", "sim"))
     actions = list(policy.layout.get("actions") or ACTIONS)
-    inputs = actor_input_names(policy)
+    inputs = policy.INPUTS  # the exported actor's positional inputs, in order
     measurements = {"shape": shapes[OBS_MEASUREMENTS], "dtype": "float32",
                     "fields": _layout_names(policy, OBS_MEASUREMENTS, MEASUREMENTS, shapes[OBS_MEASUREMENTS][0])}
     if isinstance(policy, CarlPolicy):
@@ -150,11 +145,10 @@ def make_spec(policy: ActorCritic, config: dict[str, Any], source: dict[str, Any
 def vector_geometry(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str, Any]:
     """The vector observation's sizes the policy was trained with (``env.options.vector``, the simulator's defaults
     where unset; the entity counts from the network's input shapes): what an evaluation env must use."""
-    opts = dict(((config.get("env") or {}).get("options") or {}).get("vector") or {})
+    opts = dict(sim_options((config.get("env") or {}).get("options")).get("vector") or {})
     defaults = options_schema("sim")().vector
     out = {f: opts.get(f, getattr(defaults, f)) for f in vars(defaults)}
-    out.update({"route_points": shapes["route"][0], "lanes": shapes["lanes"][0], "vehicles": shapes["vehicles"][0],
-                "pedestrians": shapes["pedestrians"][0], "statics": shapes["statics"][0], "stops": shapes["stops"][0]})
+    out.update({("route_points" if k == OBS_ROUTE else k): shapes[k][0] for k in VECTOR_SETS})  # the counts
     return out
 
 

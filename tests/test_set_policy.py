@@ -126,3 +126,18 @@ def tiny_set_checkpoint(path: Path, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_save(make_checkpoint(p, torch.optim.Adam(p.parameters()), 1, 16, p.signature(), cfg), path)
     return path
+
+
+def test_the_pairing_reads_nuplans_nested_simulator_options() -> None:
+    """env=nuplan nests the simulator's options under env.options.sim: the check reads the observation there and
+    names that key."""
+    cfg = TrainConfig()
+    cfg.model.name = "set"
+    cfg.env.options = {"sim": {"observation": "vector"}}
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        assert "reads the vector observation" not in str(exc), exc
+    cfg.env.options = {"sim": {"observation": "bev"}}
+    with pytest.raises(ConfigError, match=r"env.options.sim.observation=bev; set env.options.sim.observation=vector"):
+        validate(cfg)

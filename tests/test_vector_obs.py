@@ -153,8 +153,9 @@ def test_more_actor_rows_than_slots_are_padding_and_standing_walkers_have_no_vel
 
 
 def test_lane_points_are_the_maps_points_within_the_radius() -> None:
-    """Lane points every 5 m of each lane (its end included) within 40 m of the ego at (100, 0): all of them (32 rows
-    hold them: A 81..119 -> 16 points, B 16, D 14, C none), each with its lane's direction, width, kerb flag."""
+    """Lane points every 5 m of each lane (its end included) within 40 m of the ego at (100, 0): all of them (64 rows
+    hold them: A x 60..140 -> 17 points, B and D x 65..135 -> 15 each, C none), each with its lane's direction,
+    width and kerb flag."""
     env = make_env(lanes=64)
     place(env, 100.0, 0.0, 0.0, 100)
     obs = env.observe()[OBS_LANES][0]
@@ -165,7 +166,7 @@ def test_lane_points_are_the_maps_points_within_the_radius() -> None:
     for y, xs, cos, kerb in ((0.0, range(0, 201, 5), 1.0, 1.0), (W, range(0, 201, 5), 1.0, 0.0),
                              (W, range(200, 301, 5), 1.0, 1.0), (2 * W, range(300, -1, -5), -1.0, 1.0)):
         want += [(float(x), y, cos, kerb) for x in xs if (x - 100.0) ** 2 + y ** 2 <= 40.0 ** 2]
-    assert got == sorted(want)
+    assert len(want) == 17 + 15 + 15 and got == sorted(want)
     assert all(r[f["width_m"]].item() == pytest.approx(W) for r in obs if r[f["valid"]] > 0)
     assert not obs[obs[:, -1] == 0].any()
 
@@ -215,3 +216,19 @@ def test_actors_are_placed_along_and_across_the_route_ahead() -> None:
     assert obs[0, f["route_d_m"]].item() == pytest.approx(2.0, abs=1e-3)
     assert obs[1, f["route_s_m"]].item() == pytest.approx(49.0 + math.hypot(1.0, W) + 13.0 - 10.0, abs=1e-3)
     assert obs[1, f["route_d_m"]].item() == pytest.approx(-1.0, abs=1e-3)
+
+
+def test_episodes_of_a_vector_policy_are_recorded_with_the_bev_of_the_state() -> None:
+    """carl-eval's videos: an env observing vectors (and asked for pictures, bev=True) records the BEV drawn from its
+    state, the frames a BEV env of the same seed records for the same actions."""
+    from envs import make_env
+    from envs.sim.recorder import record_episode
+
+    opts = dict(town_seeds=(0,), num_routes=8, route_length=(80.0, 120.0), bev_size=32, bev_ego_from_bottom=12)
+    drive = lambda obs: torch.tensor([[0.0, 0.4]])  # noqa: E731
+    frames = {}
+    for observation in ("vector", "bev"):
+        env = make_env("sim", 1, "cpu", 3, observation=observation, bev=True, **opts)
+        frames[observation], _ = record_episode(env, drive, max_steps=5, scale=1)
+    assert len(frames["vector"]) == 5
+    assert all(np.array_equal(a, b) for a, b in zip(frames["vector"], frames["bev"]))

@@ -42,6 +42,12 @@ def upcoming_stop_lines(world: World, route_id: Tensor, route_idx: Tensor) -> tu
     return ev_stop.clamp(min=0), ev_idx, near
 
 
+def stop_lines_ahead(world: World, route_id: Tensor, route_idx: Tensor, ev_idx: Tensor) -> Tensor:
+    """Route metres from the ego's route point to each stop line event ``ev_idx`` [B, E] (negative: passed)."""
+    at = world.route_cum[route_id.unsqueeze(1).expand_as(ev_idx), ev_idx.clamp(max=world.route_pts.shape[1] - 1)]
+    return at - world.route_cum[route_id, route_idx].unsqueeze(1)
+
+
 def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     """Draw the 10 CaRL channels for every environment of the state ``s`` (an :class:`envs.sim.env.SimState`)."""
     bc = bev_config(cfg)
@@ -84,8 +90,7 @@ def render_bev(world: World, s, cfg: SimConfig, lights: LightFn) -> Tensor:
     across = torch.stack((-torch.sin(yaw), torch.cos(yaw)), -1) * (width / 2).unsqueeze(-1)
     draw_segments(out[:, 5], centre - across, centre + across, 3.0 / cfg.bev_ppm, value, near & ~is_sign, *pose,
                   max_length_m=8.0)
-    ahead_m = world.route_cum[s.route_id.unsqueeze(1).expand_as(ev_idx), ev_idx.clamp(max=world.route_pts.shape[1] - 1)] \
-        - world.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+    ahead_m = stop_lines_ahead(world, s.route_id, s.route_idx, ev_idx)
     targeted = near & is_sign & (ahead_m > -2.0) & (ahead_m < STOP_SIGN_RANGE) & ~s.stop_done.unsqueeze(1)
     box_c = centre - torch.stack((torch.cos(yaw), torch.sin(yaw)), -1) * 2.0
     box_half = torch.stack((torch.full_like(width, 2.0), width / 2), -1)

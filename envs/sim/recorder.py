@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from envs.api import episode_stats
-from envs.sim.observation import bev_config
+from envs.sim.observation import bev_config, render_bev
 from envs.sim.bev_draw import world_to_bev
 from envs.sim.render import bev_to_rgb, overlay_text
 
@@ -37,7 +37,9 @@ def route_overlay(img: np.ndarray, env: SimEnv, row: int, points: int = 200) -> 
 
 def record_episode(env: SimEnv, policy: Callable[[dict[str, Tensor]], Tensor], row: int = 0,
                    max_steps: int = 3000, scale: int = 2) -> tuple[list[np.ndarray], dict[str, float]]:
-    """Run ``policy`` on every environment until ``row`` finishes its episode; return its frames and statistics."""
+    """Run ``policy`` on every environment until ``row`` finishes its episode; return its frames and statistics. The
+    frames are the observation's BEV, or, for a policy that observes something else (the vector observation), the
+    BEV drawn from the state for the picture only."""
     if not env.cfg.bev:
         raise ValueError("recording needs the BEV: create the environment with bev=True")
     obs = env.reset()
@@ -45,7 +47,9 @@ def record_episode(env: SimEnv, policy: Callable[[dict[str, Tensor]], Tensor], r
     stats: dict[str, float] = {}
     total = 0.0
     for step in range(max_steps):
-        img = route_overlay(bev_to_rgb(obs["bev"][row], bev_config(env.cfg)), env, row)
+        bev = obs["bev"][row] if "bev" in obs else render_bev(env.world, env.state, env.cfg,
+                                                              env.light_lookup(env.state))[row]
+        img = route_overlay(bev_to_rgb(bev, bev_config(env.cfg)), env, row)
         if scale > 1:
             img = img.repeat(scale, 0).repeat(scale, 1)
         s = env.state

@@ -33,14 +33,14 @@ from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
 from envs.sim.config import VectorConfig
+from envs.sim.geometry import to_local
 from envs.sim.infractions import lane_measures
-from envs.sim.observation import measurements, upcoming_stop_lines, value_measurements
+from envs.sim.observation import measurements, stop_lines_ahead, upcoming_stop_lines, value_measurements
 from envs.sim.parts import Observer
 from envs.sim.world import LightFn, World
 
 F_ORIGIN = torch.tensor([[1.0], [0.0], [0.0]])  # which column pairs of ego_frame are positions (the first)
 GRID_CELL_M = 5.0  # m: the lane-point grid's cell (the nearest points are those of the cell centre, <= 3.6 m away)
-_TABLES: dict[tuple, "VectorMaps"] = {}  # per (world, sizes): worlds are immutable and shared, so are these
 
 
 @dataclass
@@ -57,11 +57,11 @@ class VectorMaps:
 
 
 def vector_maps(world: World, vc: VectorConfig) -> VectorMaps:
-    """The world's tables for sizes ``vc`` (built on first use, then shared)."""
-    key = (id(world), vc.lanes, vc.lane_spacing, vc.lane_radius)
-    if key not in _TABLES:
-        _TABLES[key] = _build(world, vc)
-    return _TABLES[key]
+    """The world's tables for sizes ``vc`` (built on first use, kept on the world: worlds are immutable and shared)."""
+    key = ("vector_obs", vc.lanes, vc.lane_spacing, vc.lane_radius)
+    if key not in world.derived:
+        world.derived[key] = _build(world, vc)
+    return world.derived[key]
 
 
 def _lane_points(world: World, spacing: float) -> np.ndarray:
@@ -149,13 +149,6 @@ def _build(world: World, vc: VectorConfig) -> VectorMaps:
     t = lambda x: torch.as_tensor(x, device=dev)  # noqa: E731
     return VectorMaps(lane_feat=t(feat), grid=t(grid), cell_points=t(table), origin=t(origin), route_at_m=t(at_m),
                       route_feat=t(route_feat))
-
-
-def to_ego(xy: Tensor, ego_xy: Tensor, ego_yaw: Tensor) -> Tensor:
-    """World points [B, N, 2] in the frames of the egos [B, 2], [B] (x forward, y left)."""
-    c, s = torch.cos(ego_yaw).unsqueeze(1), torch.sin(ego_yaw).unsqueeze(1)
-    d = xy - ego_xy.unsqueeze(1)
-    return torch.stack((c * d[..., 0] + s * d[..., 1], c * d[..., 1] - s * d[..., 0]), -1)
 
 
 def ego_frame(f: Tensor, ego_xy: Tensor, ego_yaw: Tensor, pairs: int) -> Tensor:
@@ -295,8 +288,7 @@ class VectorObserver(Observer):
         """The next ``stops`` stop lines on the route that the ego has not passed, nearest first, with their light."""
         w, k = self.setup.world, self.setup.cfg.vector.stops
         stop, ev_idx, near = upcoming_stop_lines(w, s.route_id, s.route_idx)
-        ahead = w.route_cum[s.route_id.unsqueeze(1).expand_as(ev_idx), ev_idx.clamp(max=w.route_pts.shape[1] - 1)] \
-            - w.route_cum[s.route_id, s.route_idx].unsqueeze(1)
+        ahead = stop_lines_ahead(w, s.route_id, s.route_idx, ev_idx)
         key = torch.where(near & (ev_idx >= s.route_idx.unsqueeze(1)), ahead, torch.full_like(ahead, math.inf))
         if key.shape[1] < k:
             key = torch.cat((key, key.new_full((key.shape[0], k - key.shape[1]), math.inf)), 1)
@@ -307,7 +299,7 @@ class VectorObserver(Observer):
         state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), w.stop_group[stop]))
         light = ~sign
         first_sign = sign & (torch.cumsum(sign.long(), 1) == 1)  # stop_done refers to the next sign
-        cols = torch.stack((dist.clamp(max=1e4), *to_ego(w.stop_xy[stop], s.ego_xy, s.ego_yaw).unbind(-1),
+        cols = torch.stack((dist.clamp(max=1e4), *to_local(w.stop_xy[stop], s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1)).unbind(-1),
                             ((state == 0) & light).float(), ((state == 1) & light).float(),
                             ((state == 2) & light).float(), yellow_left * ((state == 1) & light), sign.float(),
                             (first_sign & s.stop_done.unsqueeze(1)).float(), valid.float()), -1)

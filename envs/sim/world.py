@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
@@ -81,6 +81,8 @@ class World:
     # route scenarios (envs/sim/scenario_world.py): the tables, and every route's scenarios, kept or skipped with why
     scn: ScenarioTables
     route_scenarios: list[tuple]
+    # tables that parts derive from the world once and share (e.g. the vector observation's), by the part's key
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def has_scenarios(self) -> bool:
