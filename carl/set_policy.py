@@ -3,10 +3,10 @@
 The cheap twin of CaRL's CNN: the same Beta policy head, value head and PPO, over object-level inputs instead of a
 BEV (:data:`envs.api.VECTOR_FEATURES`):
 
-* each entity set (lanes, vehicles, pedestrians, statics, stops) -> a shared per-entity MLP
-  ``F -> embed -> embed`` (ReLU after each layer), zeroed on padding rows, max-pooled over the set (PointNet's
-  symmetric pool: the order and the number of entities do not matter; an empty set pools to 0); the actors' and the
-  stop lines' MLPs also see the ego's measurements beside each entity (``CONDITIONED_SETS``);
+* each entity set (lanes, vehicles, pedestrians, statics, stops) -> a shared per-entity MLP ``F -> embed -> embed``
+  (Linear, LayerNorm, ReLU per layer, as every MLP here), zeroed on padding rows, max-pooled over the set
+  (PointNet's symmetric pool: the order and the number of entities do not matter; an empty set pools to 0); the
+  actors' and the stop lines' MLPs also see the ego's measurements beside each entity (``CONDITIONED_SETS``);
 * the route (ordered points) flattened -> MLP to ``hidden``; the measurements -> MLP to ``hidden``;
 * fusion: concat -> ``fusion`` -> ``features`` (Linear, LayerNorm, ReLU), then CaRL's heads.
 
@@ -43,8 +43,7 @@ class SetEncoder(nn.Module):
 
     def __init__(self, width: int, embed: int, scale: torch.Tensor, context: int = 0) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(width + context, embed), nn.ReLU(inplace=True), nn.Linear(embed, embed),
-                                 nn.ReLU(inplace=True))
+        self.mlp = _mlp([width + context, embed, embed])
         self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
