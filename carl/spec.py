@@ -153,6 +153,7 @@ def vector_geometry(config: dict[str, Any], shapes: dict[str, list[int]]) -> dic
 
 
 def sha256_file(path: str | Path) -> str:
+    """The file's sha256 (hex), read in 1 MiB blocks: the bundle's manifest checks each file by it."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -101,7 +101,8 @@ DRIVE = """
     out = {"control": type(c0).__name__, "keys": sorted(obs0),
            "bev_diff_frac": float((obs0["bev"] != ref["bev"]).float().mean()) if "bev" in ref else 0.0,
            "obs_diff": {k: float((obs0[k].float() - ref[k].float()).abs().max()) for k in ref},
-           "vehicle_cols": ((obs0["vehicles"] - ref["vehicles"]).abs().amax((0, 1)).tolist() if "vehicles" in ref else []),
+           "vehicle_cols": ((obs0["vehicles"] - ref["vehicles"]).abs().amax((0, 1)).tolist()
+                            if "vehicles" in ref else []),
            "meas_diff": float((obs0["measurements"] - ref["measurements"]).abs().max()),
            "ped_valid": int(agent.mirror.state.ped.valid.sum()), "veh_valid": int(agent.mirror.state.veh.valid.sum()),
            "lights_matched": agent.mirror.light_src.matched}

@@ -299,7 +299,8 @@ class VectorObserver(Observer):
         state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), w.stop_group[stop]))
         light = ~sign
         first_sign = sign & (torch.cumsum(sign.long(), 1) == 1)  # stop_done refers to the next sign
-        cols = torch.stack((dist.clamp(max=1e4), *to_local(w.stop_xy[stop], s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1)).unbind(-1),
+        line_xy = to_local(w.stop_xy[stop], s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
+        cols = torch.stack((dist.clamp(max=1e4), *line_xy.unbind(-1),
                             ((state == 0) & light).float(), ((state == 1) & light).float(),
                             ((state == 2) & light).float(), yellow_left * ((state == 1) & light), sign.float(),
                             (first_sign & s.stop_done.unsqueeze(1)).float(), valid.float()), -1)
