@@ -343,7 +343,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         say(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
         trainer.reset(seed=None)
     else:
-        trainer.reset(seed=cfg.seed)
+        trainer.reset(seed=rank_seed)  # each rank its own routes and traffic (docs/distributed.md)
 
     tb = TBLogger(run_dir / "tb", cfg.logging.tensorboard and ctx.is_main,
                   purge_step=global_step + 1 if cfg.resume else None)

@@ -38,6 +38,7 @@ class FakeDrivingEnv(BatchedEnv):
             "value_measurements": TensorSpec((10,), torch.float32),
         }
         self.seed_offset = 10_000 if route_split == "eval" else 0
+        self.seed = seed
         self.gen = torch.Generator().manual_seed(seed + self.seed_offset)
         self.target = torch.zeros(num_envs)
         self.t = torch.zeros(num_envs, dtype=torch.long)
@@ -74,6 +75,7 @@ class FakeDrivingEnv(BatchedEnv):
     # -- API --------------------------------------------------------------------------------------------------------
     def reset(self, seed: int | None = None) -> dict[str, torch.Tensor]:
         if seed is not None:
+            self.seed = seed
             self.gen.manual_seed(seed + self.seed_offset)
         self._new_targets(torch.arange(self.num_envs))
         return self._obs()
@@ -116,9 +118,10 @@ class FakeDrivingEnv(BatchedEnv):
         return StepResult(self._obs(), reward.to(self.device), terminated.to(self.device), truncated.to(self.device), info)
 
     def state_dict(self) -> dict:
-        return {"gen": self.gen.get_state(), "target": self.target.clone(), "t": self.t.clone()}
+        return {"seed": self.seed, "gen": self.gen.get_state(), "target": self.target.clone(), "t": self.t.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.seed = state["seed"]
         self.gen.set_state(state["gen"])
         self.target, self.t = state["target"].clone(), state["t"].clone()
 

@@ -34,12 +34,14 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120) -> subproces
 
 def test_torchrun_train_resume_and_world_size_check(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = torchrun([*TINY, "parallel.sync=powersgd", f"run_dir={run_dir}"])
+    first = torchrun([*TINY, "parallel.sync=powersgd", "seed=3", f"run_dir={run_dir}"])
     assert first.returncode == 0, first.stdout + first.stderr
     assert "2 ranks (gloo, sync powersgd)" in first.stdout and "2 updates x 32 samples" in first.stdout
     assert first.stdout.count("update 2/2") == 1  # only rank 0 prints
     ck = torch.load(run_dir / "last.pt", weights_only=True)
     assert ck["extra"]["world_size"] == 2 and len(ck["extra"]["ranks"]) == 2 and ck["global_step"] == 64
+    # rank r resets its envs with seed + 7919 r (docs/distributed.md): the ranks drive different routes and traffic
+    assert [r["env"]["seed"] for r in ck["extra"]["ranks"]] == [3, 3 + 7919]
     errors = [r["sync"]["error"] for r in ck["extra"]["ranks"]]  # each rank's own error-feedback residuals
     assert errors[0] and errors[0].keys() == errors[1].keys() and ck["extra"]["sync"]["step"] == 8
     assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0])
