@@ -21,7 +21,7 @@ dev: $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev,nuplan,sweep]"
 
 train: venv
-	$(BIN)/carl-train +experiment=quick
+	$(BIN)/carl-train +experiment=quick_vector
 
 test: dev
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
