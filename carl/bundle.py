@@ -23,7 +23,8 @@ the BEV ``channels``, the measurement and value-measurement ``fields`` and the a
 steer, longitudinal; CaRL's nuPlan variant: accel, steer) with their scaling. A bundle written before these keys
 existed is the CARLA layout (:func:`observation_layout`, :func:`action_names` read either).
 
-:func:`load_policy` accepts a bundle directory or a training checkpoint (``.pt``) and returns a callable
+:func:`load_policy` accepts a bundle directory (``zoo:<name>``: one that ships, :mod:`carl.zoo`) or a training
+checkpoint (``.pt``) and returns a callable
 ``obs dict -> action tensor [B, 2]`` plus the spec; it is the one entry point for the CARLA leaderboard agent, the
 nuPlan planner adapter and ``carl-eval``.
 """
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from carl import zoo
 from carl.checkpoint import CheckpointError, load_checkpoint
 from carl.config import MODEL_NAMES
 from carl.policy import ActorCritic, CarlPolicy, beta_mean_action, beta_sample, make_policy
@@ -294,14 +296,18 @@ class LoadedPolicy:
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", deterministic: bool = True,
                 backend: str = "torch") -> tuple[LoadedPolicy, dict[str, Any]]:
-    """Load a bundle directory or a ``.pt`` checkpoint; return ``(policy, spec)``.
+    """Load a bundle directory (``zoo:<name>``: a shipped one, :mod:`carl.zoo`) or a ``.pt`` checkpoint; return
+    ``(policy, spec)``.
 
     ``policy(obs)`` maps an observation dict (``bev`` [B, C, H, W], ``measurements`` [B, M]; the layout
     :func:`observation_layout` names) to actions [B, 2] in [-1, 1] (:func:`action_names` order). ``backend``:
     ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint), ``torchscript`` or ``onnx``
     (bundle only: run ``policy.ts`` / ``policy.onnx``).
     """
-    path = Path(path)
+    try:
+        path = Path(zoo.resolve(str(path)))
+    except zoo.ZooError as exc:
+        raise BundleError(str(exc)) from None
     device = torch.device(device)
     if path.is_dir():
         spec = read_spec(path)

@@ -149,6 +149,8 @@ class LoggingConfig:
     eval_every: int = option(0, "evaluation (and best.pt) every N updates; 0 = only at the end", ge=0)
     eval_episodes: int = option(8, "held-out episodes per evaluation; 0 = no evaluation", ge=0)
     eval_max_steps: int = option(3000, "cap per evaluation episode (control steps)", ge=1)
+    eval_seed: int = option(1_000_004, "seed of the held-out evaluation (its routes and traffic), the same whatever the "
+                                        "training seed, so that runs of different seeds are scored on the same routes")
     final_baselines: bool = option(True, "evaluate random + expert policies on the same routes at the end")
     final_benchmark: str | None = option(None, "a carl-eval benchmark (conf/benchmark/<name>.yaml, e.g. towns or "
                                                "longest6) run on best.pt at the end: the benchmark's own conditions "

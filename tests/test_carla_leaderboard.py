@@ -29,6 +29,11 @@ def test_agent_config_and_plan(tmp_path: Path) -> None:
     (tmp_path / "agent.json").write_text(json.dumps({"policy": "bundle", "options": {"light_yellow": 3.0}}))
     conf = read_agent_config(tmp_path / "agent.json")
     assert conf["policy"] == str(tmp_path / "bundle") and conf["options"] == {"light_yellow": 3.0}
+    from carl import zoo
+
+    assert read_agent_config("zoo:towns_vector") == {"policy": str(zoo.ZOO_DIR / "towns_vector")}
+    (tmp_path / "zoo.yaml").write_text("policy: zoo:towns_vector\n")
+    assert read_agent_config(tmp_path / "zoo.yaml")["policy"] == str(zoo.ZOO_DIR / "towns_vector")
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="needs a 'policy'"):
         read_agent_config(tmp_path / "bad.json")

@@ -137,3 +137,15 @@ def test_a_signal_during_the_final_evaluation_stops_it_at_once(tmp_path: Path) -
     assert code == 0, err
     assert "SIGTERM: the final evaluation stopped" in out
     assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2
+
+
+def test_runs_of_any_seed_are_evaluated_on_the_same_held_out_routes() -> None:
+    """The held-out evaluation's env is built from ``logging.eval_seed``, whatever the training ``seed``."""
+    from carl.cli import load_config
+    from carl.eval.during_training import Evaluation
+
+    built: list[int] = []
+    for seed in (1, 2):
+        cfg = load_config("train", [*TINY, f"seed={seed}", "logging.eval_seed=77"])
+        Evaluation(cfg, True, Path("unused"), None, None, lambda _n, s: built.append(s)).make_env(2)  # type: ignore[arg-type]
+    assert built == [77, 77]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from carl import zoo
 from carl.bundle import load_policy
 from envs.api import CONTROL_DT
 from envs.carla.mapping import (Reading, ego_frame_velocity, fill_pedestrians, fill_vehicles, graph_from_xodr,
@@ -170,7 +171,9 @@ class CarlaMirror:
 
 
 def read_agent_config(path: str | Path) -> dict[str, Any]:
-    """``--agent-config``: a policy path, or a YAML/JSON file naming the policy and options."""
+    """``--agent-config``: a policy path (or ``zoo:<name>``), or a YAML/JSON file naming the policy and options."""
+    if str(path).startswith(zoo.PREFIX):
+        return {"policy": zoo.resolve(str(path))}
     p = Path(path)
     if p.is_dir() or p.suffix == ".pt":
         return {"policy": str(p)}
@@ -184,7 +187,7 @@ def read_agent_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"agent config {p}: give a bundle directory, a .pt checkpoint or a .yaml/.json file")
     if "policy" not in conf:
         raise ValueError(f"agent config {p}: needs a 'policy' entry (bundle directory or checkpoint)")
-    pol = Path(conf["policy"])
+    pol = Path(zoo.resolve(str(conf["policy"])))
     conf["policy"] = str(pol if pol.is_absolute() else p.parent / pol)
     return conf
 

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from carl import zoo
 from carl.bundle import BundleError
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
@@ -57,7 +58,7 @@ SHORTCUTS = {"env": "++benchmark.env", "reactive": "++benchmark.reactive",
 class EvalConfig:
     """``carl-eval``'s keys and defaults (``conf/eval.yaml`` picks the benchmark)."""
 
-    policy: str = "expert"  # expert | random | <checkpoint .pt> | <bundle dir from carl-export>
+    policy: str = "expert"  # expert | random | <checkpoint .pt> | <bundle dir from carl-export> | zoo:<name>
     out_dir: str | None = None  # default runs/eval/<benchmark>-<policy>
     overwrite: bool = False  # replace results of another policy/benchmark in out_dir (never done silently)
     baselines: bool = False  # also evaluate the random policy and the expert (out_dir/baselines/<name>)
@@ -73,6 +74,8 @@ def policy_name(arg: str) -> str:
     """The display name ``policy=`` gets (:func:`resolve_policy`), without loading it."""
     if arg in BASELINES:
         return arg
+    if arg.startswith(zoo.PREFIX):
+        return arg[len(zoo.PREFIX):]
     path = Path(arg)
     return path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
 
@@ -168,9 +171,10 @@ class EvalCommand(Command):
 
     def check(self, cfg: dict[str, Any]) -> list[str]:
         policy = str(cfg["policy"])
-        if policy in BASELINES or Path(policy).exists():
-            return []
-        return [f"policy={policy}: no such file or folder; use expert, random, a checkpoint .pt or a bundle dir"]
+        if policy in BASELINES or policy.startswith(zoo.PREFIX) or Path(policy).exists():
+            return []  # a zoo name is checked when it resolves (the message lists the shipped ones)
+        return [f"policy={policy}: no such file or folder; use expert, random, a checkpoint .pt, a bundle dir or "
+                f"zoo:<name> ({', '.join(zoo.names())})"]
 
     def holds_run(self, folder: Path) -> bool:
         return (folder / "results.json").exists()

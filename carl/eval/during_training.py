@@ -38,7 +38,7 @@ class Evaluation:
         """``build_env(num_envs, seed)``: the run's env on its held-out routes."""
         self.cfg, self.is_main, self.run_dir, self.policy, self.tb = cfg, is_main, run_dir, policy, tb
         self.build_env = build_env
-        self.seed = cfg.seed + 1_000_003
+        self.seed = cfg.logging.eval_seed  # not the training seed's: every seed meets the same routes
 
     @property
     def enabled(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from carl import zoo
 from carl.bundle import PolicyFn, load_policy, sha256_file
 from carl.eval import EvalError
 from envs.api import BatchedEnv
@@ -83,12 +84,16 @@ class PolicySource:
 
 
 def resolve_policy(arg: str, device: torch.device) -> PolicySource:
-    """``expert`` | ``random`` | checkpoint file | bundle directory -> :class:`PolicySource`."""
+    """``expert`` | ``random`` | checkpoint file | bundle directory | ``zoo:<name>`` -> :class:`PolicySource`."""
     if arg in BASELINES:
         return PolicySource(arg, arg, {"kind": arg})
-    path = Path(arg)
+    try:
+        path = Path(zoo.resolve(arg))
+    except zoo.ZooError as exc:
+        raise EvalError(str(exc)) from None
     if not path.exists():
-        raise EvalError(f"policy={arg}: no such file or folder; use expert, random, a checkpoint .pt or a bundle dir")
+        raise EvalError(f"policy={arg}: no such file or folder; use expert, random, a checkpoint .pt, a bundle dir or "
+                        f"zoo:<name> ({', '.join(zoo.names())})")
     loaded, spec = load_policy(path, device=device, deterministic=True)
     weights = path / spec["files"]["weights"] if path.is_dir() else path
     name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"

@@ -1,0 +1,50 @@
+"""The shipped policies (``carl/zoo``, ``policy=zoo:<name>``): each is a sound bundle with a card, and one drives."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from carl import zoo
+from carl.bundle import BundleError, check_bundle, load_policy
+from carl.cli import load_config
+from carl.eval import EvalError
+from carl.eval.cli import run as carl_eval
+from carl.eval.policies import resolve_policy
+
+CARD_ITEMS = ("Command", "Seed", "Commit", "Samples", "Wall time", "CPU", "longest6", "towns")
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_a_shipped_policy_is_a_sound_bundle_with_a_card(name: str) -> None:
+    policy, spec = load_policy(f"{zoo.PREFIX}{name}")
+    assert spec["model"]["name"] in ("carl", "set")
+    diffs = check_bundle(zoo.ZOO_DIR / name)  # TorchScript and ONNX against the weights, within the export's bound
+    assert set(diffs) >= {"torch", "torchscript"} and max(diffs.values()) <= 1e-5, diffs
+    card = (zoo.ZOO_DIR / name / "card.md").read_text()
+    missing = [item for item in CARD_ITEMS if f"| {item}" not in card]
+    assert not missing, f"card.md of {name} lacks rows {missing}"
+
+
+def test_the_zoo_ships_the_towns_vector_policy() -> None:
+    assert "towns_vector" in zoo.names()
+
+
+def test_an_unknown_zoo_name_lists_the_shipped_ones() -> None:
+    with pytest.raises(BundleError, match="zoo:towns_vector"):
+        load_policy("zoo:no_such_policy")
+    with pytest.raises(EvalError, match="zoo:towns_vector"):
+        resolve_policy("zoo:no_such_policy", "cpu")  # type: ignore[arg-type]
+
+
+def test_the_shipped_towns_policy_drives_two_longest6_routes(tmp_path: Path) -> None:
+    """carl-eval on the first two Town01 routes of longest6 for 40 s each: the shipped policy covers more of them
+    than the random policy on the same routes and traffic."""
+    cfg = load_config("eval", ["policy=zoo:towns_vector", "benchmark=longest6", "benchmark.towns=[Town01]",
+                               "benchmark.routes_per_town=2", "benchmark.max_steps=400", "baselines=true",
+                               "worst_videos=0", f"out_dir={tmp_path / 'zoo'}"])
+    trained = carl_eval(cfg, log=lambda *_a: None)
+    random = json.loads((tmp_path / "zoo" / "baselines" / "random" / "summary.json").read_text())
+    assert trained["episodes"] == 2 and random["episodes"] == 2
+    assert trained["means"]["route_completion"] > 2 * random["means"]["route_completion"] + 5.0, (trained, random)
