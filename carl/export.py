@@ -92,7 +92,8 @@ def export_bundle(checkpoint: str | Path, out_dir: str | Path, bev_dtype: str = 
     config = ckpt.get("config") or {}
     actor = actor_for(policy).eval()
     source = {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
-              "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
+              "update": ckpt.get("update"), "global_step": ckpt.get("global_step"),
+              "provenance": (ckpt.get("extra") or {}).get("provenance")}  # command, commit, CPU, seconds (zoo cards)
     spec = make_spec(policy, config, source, bev_dtype, control_dt_of(ckpt))
     example = _example_inputs(actor, spec, 2, bev_dtype)
 

@@ -24,6 +24,21 @@ ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)  # the actor inputs of bundles written
 ONNX_OUTPUTS = ("action", "alpha", "beta")
 
 
+def git_commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), or ``unknown`` outside git."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
 def carl_version() -> str:
     try:
         from importlib.metadata import version

@@ -46,6 +46,11 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert final["episodes"] == 2 and {"driving_score", "route_completion", "infraction_score"} <= set(final)
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tb").iterdir())
 
+    made = torch.load(run_dir / "last.pt", weights_only=True)["extra"]["provenance"]  # for a zoo card
+    from carl.config import cpu_line
+
+    assert made["cpu"] == cpu_line() and made["commit"] and made["seconds"] > 0 and "env.num_envs=2" in made["command"]
+
     # the same run dir without resume is refused with exit code 2
     again = run([*TINY, f"run_dir={run_dir}"])
     assert again.returncode == 2 and "already holds a run" in again.stderr and "resume=" in again.stderr
@@ -55,7 +60,11 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at update 2" in resumed.stdout
     assert "update 3/4" in resumed.stdout and "update 4/4" in resumed.stdout
-    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 4
+    again_made = torch.load(run_dir / "last.pt", weights_only=True)
+    assert again_made["update"] == 4
+    made2 = again_made["extra"]["provenance"]  # the wall time of both runs, and the first run's command
+    assert made2["seconds_before"] == made["seconds"] and made2["seconds"] > made["seconds"]
+    assert made2["runs_before"] == [{k: made[k] for k in ("command", "commit", "cpu")}]
 
 
 def test_config_error_exit_code(tmp_path: Path) -> None:
