@@ -151,3 +151,27 @@ def test_final_benchmark_of_a_run_loads_its_eval_config(tmp_path: Path, monkeypa
     got = run_benchmark(train, tmp_path, torch.device("cpu"))
     assert got["benchmark"]["name"] == "towns" and got["policy"] == str(tmp_path / "best.pt")
     assert got["out_dir"] == str(tmp_path / "eval" / "towns") and got["overwrite"] is True and got["device"] == "cpu"
+
+
+def test_repetitions_drive_every_route_again_with_the_next_traffic_seeds(tmp_path: Path) -> None:
+    """benchmark.repetitions=2: each route twice, repetition k exactly the run with traffic seed seed + k, named
+    ``<route>_rep<k>``; the summary's means are over all records and the spreads are computed from them."""
+    reps, lines = evaluate(tmp_path / "reps", "policy=expert", "benchmark.repetitions=2", "seed=5")
+    records = json.loads((tmp_path / "reps" / "results.json").read_text())["_checkpoint"]["records"]
+    assert len(records) == 4 and reps["routes"] == 4
+    for k in (0, 1):
+        single, _ = evaluate(tmp_path / f"seed{5 + k}", "policy=expert", f"seed={5 + k}")
+        alone = json.loads((tmp_path / f"seed{5 + k}" / "results.json").read_text())["_checkpoint"]["records"]
+        mine = sorted((r for r in records if r["carl"]["repetition"] == k), key=lambda r: r["route_id"])
+        assert [r["route_id"] for r in mine] == sorted(f"{r['route_id']}_rep{k}" for r in alone)
+        assert [r["scores"] for r in mine] == [r["scores"] for r in sorted(alone, key=lambda r: r["route_id"])]
+        assert reps["repetitions"]["driving_score"]["per_repetition"][k] == pytest.approx(single["driving_score"])
+    ds = [r["scores"]["score_composed"] for r in records]
+    assert reps["driving_score"] == pytest.approx(sum(ds) / 4)
+    a, b = reps["repetitions"]["driving_score"]["per_repetition"]
+    assert reps["repetitions"]["driving_score"]["sd_over_repetitions"] == pytest.approx(abs(a - b) / 2 ** 0.5)
+    assert any("repetition 2/2" in line for line in lines)
+    assert "2 repetitions" in (tmp_path / "reps" / "summary.md").read_text()
+
+    with pytest.raises(EvalError, match="benchmark.repetitions=0"):
+        evaluate(tmp_path / "bad", "policy=expert", "benchmark.repetitions=0")

@@ -54,10 +54,16 @@ class Benchmark:
     max_steps: int | None  # None: each env's own bound (max_episode_steps: every episode has ended by its rules)
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""  # logged by carl-eval before the run (e.g. Val14: tokens found / missing)
+    repetitions: int = 1  # each route driven this many times, repetition k with traffic seed ``seed + k``
 
     @property
     def num_routes(self) -> int:
         return sum(g.num_routes for g in self.groups)
+
+    @property
+    def num_records(self) -> int:
+        """Route records a finished run holds: every route once per repetition."""
+        return self.num_routes * self.repetitions
 
 
 def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
@@ -104,7 +110,16 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
         raise EvalError(f"benchmark={name} has no routes (route_file={route_file!r}, towns={bcfg.get('towns')}, "
                         f"num_routes={bcfg.get('num_routes')}); give a route file with routes or num_routes >= 1")
     max_steps = int(bcfg["max_steps"]) if bcfg.get("max_steps") else None
-    return Benchmark(name, env, groups, max_steps, dict(bcfg))
+    return Benchmark(name, env, groups, max_steps, dict(bcfg), repetitions=_repetitions(bcfg))
+
+
+def _repetitions(bcfg: dict[str, Any]) -> int:
+    """``benchmark.repetitions`` (default 1), checked: a whole number >= 1."""
+    value = bcfg.get("repetitions", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EvalError(f"benchmark.repetitions={value!r}: give a whole number >= 1 (each route is driven that many "
+                        "times, repetition k with traffic seed seed + k)")
+    return value
 
 
 def resolve_val14(bcfg: dict[str, Any]) -> Benchmark:
@@ -117,6 +132,9 @@ def resolve_val14(bcfg: dict[str, Any]) -> Benchmark:
     name, env = str(bcfg.get("name", "val14")), str(bcfg.get("env", "nuplan"))
     if env != "nuplan":
         raise EvalError(f"benchmark={name} runs on env=nuplan, not env={env}")
+    if _repetitions(bcfg) != 1:
+        raise EvalError(f"benchmark.repetitions={bcfg['repetitions']}: {name} replays logged scenarios, which play the "
+                        "same way every time; use repetitions=1")
     opts = dict(bcfg.get("options") or {})
     reactive = bool(bcfg.get("reactive", False) or opts.pop("reactive", False))
     split_yaml = opts.pop("split_yaml", None)

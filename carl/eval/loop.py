@@ -74,16 +74,18 @@ def make_group_env(group: RouteGroup, num_envs: int, device: torch.device, seed:
 
 
 def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, device: torch.device, seed: int,
-              max_steps: int | None, log: Callable[[str], None]) -> int:
+              max_steps: int | None, log: Callable[[str], None], repetition: int | None = None) -> int:
     """Drive every route of ``group`` once (all rows in parallel); record the routes ``store`` lacks. Returns the
     number of routes recorded. Rows keep their route and traffic seed, so a resumed group reproduces the rows of an
-    uninterrupted run; the loop stops as soon as the missing routes finished."""
+    uninterrupted run; the loop stops as soon as the missing routes finished. With a ``repetition`` number the
+    records are ``<route>_rep<k>`` (the Leaderboard's naming) with ``carl.repetition`` k."""
     env = make_group_env(group, group.num_routes, device, seed, policy.env_options())
     try:
         known = list(getattr(env, "route_names", []))  # every route of the env, by route id
 
         def name_of(rid: int) -> str:
-            return known[rid] if rid < len(known) else f"{group.name}_{rid}"
+            name = known[rid] if rid < len(known) else f"{group.name}_{rid}"
+            return name if repetition is None else f"{name}_rep{repetition}"
 
         first = group.first_route
         pending = {row for row in range(group.num_routes) if name_of(first + row) not in store.done}
@@ -98,8 +100,9 @@ def run_group(group: RouteGroup, policy: PolicySource, store: ResultStore, devic
             nonlocal recorded
             rid = int(ep.get("episode/route_id", first + row))
             length = float(lengths[rid]) if lengths is not None else None
-            store.add(make_record(0, name_of(rid), ep, length, group.name, rid, time.perf_counter() - t0,
-                                  env.control_dt))
+            rec = make_record(0, name_of(rid), ep, length, group.name, rid, time.perf_counter() - t0, env.control_dt)
+            rec["carl"]["repetition"] = repetition or 0
+            store.add(rec)
             if "episode/nuplan_score" in ep:
                 store.records[-1]["nuplan"] = nuplan_record_fields(ep, env.data.scenario_types[rid])
                 store.write()
@@ -140,20 +143,24 @@ def evaluate_policy(policy: PolicySource, bench: Benchmark, out_dir: Path, devic
                     overwrite: bool, log: Callable[[str], None]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run (or resume) ``policy`` on ``bench`` into ``out_dir``; write results.json and summary.json."""
     # towns / routes_per_town / parallel_routes only select or batch routes: a run may be extended in the same folder
-    defining = {k: v for k, v in bench.config.items() if k not in ("towns", "routes_per_town", "parallel_routes")}
+    defining = {k: v for k, v in bench.config.items() if k not in ("towns", "routes_per_town", "parallel_routes")
+                and not (k == "repetitions" and v == 1)}  # (folders of one repetition from before the key existed)
     identity = {"policy": policy.identity, "benchmark": bench.name, "env": bench.env,
                 "benchmark_config": hashlib.sha256(json.dumps(defining, sort_keys=True).encode()).hexdigest()[:16],
                 "seed": seed}
     out_dir.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(out_dir, identity, bench.num_routes, overwrite)
+    store = ResultStore(out_dir, identity, bench.num_records, overwrite)
     if store.records:
-        log(f"{policy.name}: resuming {out_dir} ({len(store.records)}/{bench.num_routes} routes already finished)")
-    for group in bench.groups:
-        t0 = time.perf_counter()
-        n = run_group(group, policy, store, device, seed, bench.max_steps, log)
-        if n:
-            log(f"{policy.name} | {group.name}: {n} routes in {time.perf_counter() - t0:.0f}s")
-    summary = summarize(store.records, bench.num_routes)
+        log(f"{policy.name}: resuming {out_dir} ({len(store.records)}/{bench.num_records} routes already finished)")
+    reps = bench.repetitions
+    for rep in range(reps):  # repetition k: every group again with traffic seed seed + k
+        for group in bench.groups:
+            t0 = time.perf_counter()
+            n = run_group(group, policy, store, device, seed + rep, bench.max_steps, log, rep if reps > 1 else None)
+            if n:
+                label = f"{group.name}, repetition {rep + 1}/{reps}" if reps > 1 else group.name
+                log(f"{policy.name} | {label}: {n} routes in {time.perf_counter() - t0:.0f}s")
+    summary = summarize(store.records, bench.num_records)
     if bench.env == "nuplan":
         summary.update(nuplan_summary(store.records))
     summary.update(policy=policy.name, policy_id=policy.identity, policy_path=policy.path, benchmark=bench.name,

@@ -65,11 +65,26 @@ def scenario_tables(summaries: dict[str, dict[str, Any]]) -> list[str]:
     return md
 
 
+def repetition_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per policy whose routes were driven several times: DS per repetition and the spreads."""
+    lines = []
+    for name, s in summaries.items():
+        rep = s.get("repetitions")
+        if rep:
+            ds = rep["driving_score"]
+            lines.append(f"{name}: {rep['count']} repetitions (traffic seed {s.get('seed', 0)} + k): DS per repetition "
+                         + " / ".join(f"{v:.2f}" for v in ds["per_repetition"])
+                         + f", sd over repetitions {ds['sd_over_repetitions']:.2f}; a route's DS moves by "
+                         f"{ds['mean_route_sd']:.2f} (mean sd over routes)")
+    return ["", *lines] if lines else []
+
+
 def write_tables(summaries: dict[str, dict[str, Any]], out_dir: Path, title: str) -> None:
     """``summary.md`` and ``summary.csv``: one row per policy."""
     header, rows = table_rows(summaries)
     md = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    md += repetition_lines(summaries)
     md += scenario_tables(summaries)
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")
     buf = io.StringIO()

@@ -107,7 +107,26 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
                         for g, rs in sorted(groups.items())}
     if any("scenarios" in r for r in records):
         result["scenarios"] = scenario_summary(records)
+    if len({r["carl"].get("repetition", 0) for r in records}) > 1:
+        result["repetitions"] = repetition_summary(records)
     return result
+
+
+def repetition_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """With each route driven several times (``carl.repetition`` of a record): the benchmark's means per repetition
+    and their sample sd (how far the headline figure moves with the traffic seed), and the mean over routes of each
+    route's own sd across its repetitions (how far one route's score moves)."""
+    out: dict[str, Any] = {"count": len({r["carl"].get("repetition", 0) for r in records})}
+    for key, score in SUMMARY_SCORES:
+        per_rep: dict[int, list[float]] = {}
+        per_route: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            per_rep.setdefault(r["carl"].get("repetition", 0), []).append(r["scores"][score])
+            per_route.setdefault((r["carl"]["group"], r["carl"]["route_index"]), []).append(r["scores"][score])
+        means = [_mean_std(v)[0] for _, v in sorted(per_rep.items())]
+        out[key] = {"per_repetition": means, "sd_over_repetitions": _mean_std(means)[1],
+                    "mean_route_sd": _mean_std([_mean_std(v)[1] for v in per_route.values()])[0]}
+    return out
 
 
 def scenario_record_fields(ep: dict[str, float], placed: tuple) -> dict[str, dict[str, Any]]:
