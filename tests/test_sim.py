@@ -157,3 +157,18 @@ def test_bad_actions_and_config():
         make_env("sim", 1, map="Town99")
     with pytest.raises(ValueError, match="unknown environment backend"):
         make_env("gta", 1)
+
+
+def test_random_routes_change_lanes_only_when_asked() -> None:
+    """env.options.route_lane_changes: consecutive route points on same-direction neighbour lanes (the graph's
+    left/right) appear on the random routes with the option and never without it (each option its own world)."""
+    from envs import make_env
+
+    def routes_changing_lanes(on: bool) -> int:
+        w = make_env("sim", 2, "cpu", 0, bev=False, num_routes=32, route_lane_changes=on).world
+        lanes, n, g = w.route_lane.numpy(), w.route_n.numpy(), w.graph
+        return sum(int(((g.left[lanes[k, :n[k] - 1]] == lanes[k, 1:n[k]])
+                        | (g.right[lanes[k, :n[k] - 1]] == lanes[k, 1:n[k]])).any()) for k in range(len(n)))
+
+    assert routes_changing_lanes(False) == 0
+    assert routes_changing_lanes(True) >= 8

@@ -60,6 +60,7 @@ class SimConfig:
     route_length: tuple[float, float] = (150.0, 400.0)  # m, (min, max) length of random routes
     route_turn_bias: float = 0.0  # random routes take turning successors (1 + bias) times as often as straight ones
     route_junction_start: float = 0.0  # share of random routes that start 5-50 m before a junction (Leaderboard-like)
+    route_lane_changes: bool = False  # random routes change to a same-direction neighbour lane (p 1/2 per lane), as longest6's do
     num_routes: int = 512  # size of the random route bank
     route_scenarios: bool = True  # play the route file's scenarios (Leaderboard 2.0 files: longest6's 429); false: drive its routes without them
     scenario_density: float = 0.0  # scenarios per km placed on random (training) routes (longest6 v2 carries ~3.7/km)

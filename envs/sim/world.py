@@ -359,8 +359,9 @@ def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> Wor
     Worlds are immutable, so they are shared between environment objects of the same process.
     """
     key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
-           cfg.route_split, cfg.route_file, cfg.route_scenarios, cfg.scenario_density, cfg.scenario_weights, cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start,
-           cfg.num_routes, cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
+           cfg.route_split, cfg.route_file, cfg.route_scenarios, cfg.scenario_density, cfg.scenario_weights,
+           cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start, cfg.route_lane_changes, cfg.num_routes,
+           cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
     if key not in _WORLDS:
         _WORLDS[key] = _build_world(cfg, device, route_seed)
     return _WORLDS[key]
@@ -388,7 +389,7 @@ def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
         return routes
     seed = EVAL_ROUTE_SEED if cfg.route_split == "eval" else route_seed
     routes = random_routes(graph, cfg.num_routes, cfg.route_length, seed=seed, turn_bias=cfg.route_turn_bias,
-                           junction_start=cfg.route_junction_start)
+                           junction_start=cfg.route_junction_start, allow_lane_changes=cfg.route_lane_changes)
     rng = np.random.default_rng([seed, 23])
     for r in routes:
         r.scenarios = random_route_scenarios(graph, r, cfg.scenario_density, cfg.scenario_weights, rng)
