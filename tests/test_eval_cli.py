@@ -175,3 +175,24 @@ def test_repetitions_drive_every_route_again_with_the_next_traffic_seeds(tmp_pat
 
     with pytest.raises(EvalError, match="benchmark.repetitions=0"):
         evaluate(tmp_path / "bad", "policy=expert", "benchmark.repetitions=0")
+
+
+def test_unseen_towns_drives_held_out_lane_changing_routes_on_each_named_town(tmp_path: Path) -> None:
+    """benchmark=unseen_towns: one group per town of ``towns`` (its own summary row), random held-out routes on that
+    map with lane changes and the six scenario types, Leaderboard rules."""
+    from carl.eval.benchmarks import resolve_benchmark
+
+    cfg = load(["benchmark=unseen_towns"])["benchmark"]
+    bench = resolve_benchmark(cfg)
+    assert [g.name for g in bench.groups] == ["Town07", "Town10HD"] and bench.num_routes == 32
+    for g in bench.groups:
+        assert g.options["map"] == g.name and g.options["maps"] == [] and g.options["num_routes"] == 16
+        assert g.options["route_lane_changes"] is True and g.options["route_split"] == "eval"
+        assert g.options["rules"] == "leaderboard" and g.options["scenario_density"] == 7.4
+
+    summary = run(load(["policy=expert", "benchmark=unseen_towns", "benchmark.towns=[Town07]", "benchmark.num_routes=2",
+                        "benchmark.max_steps=20", "worst_videos=0", "torch_threads=1", f"out_dir={tmp_path / 't7'}"]),
+                  log=lambda _: None)
+    records = json.loads((tmp_path / "t7" / "results.json").read_text())["_checkpoint"]["records"]
+    assert sorted(r["route_id"] for r in records) == ["Town07_rand7919_0", "Town07_rand7919_1"]
+    assert summary["groups"] and set(summary["groups"]) == {"Town07"}

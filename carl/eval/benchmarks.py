@@ -104,7 +104,10 @@ def resolve_benchmark(bcfg: dict[str, Any]) -> Benchmark:
                                                       "first_route": first}, count))
     else:
         n = int(bcfg.get("num_routes", 0))
-        if n > 0:
+        if n > 0 and bcfg.get("towns"):  # random routes on each named map: one group (and summary row) per map
+            for town in bcfg["towns"]:
+                groups.append(RouteGroup(town, env, {**options, "map": town, "maps": [], "num_routes": n}, n))
+        elif n > 0:
             groups.append(RouteGroup(name, env, {**options, "num_routes": n}, n))
     if not groups or sum(g.num_routes for g in groups) == 0:
         raise EvalError(f"benchmark={name} has no routes (route_file={route_file!r}, towns={bcfg.get('towns')}, "
