@@ -106,6 +106,16 @@ def build_env(cfg: TrainConfig, num_envs: int, device: torch.device, seed: int, 
                     extra)
 
 
+def rank_routes(options: dict[str, Any], num_envs: int, rank: int, world_size: int) -> dict[str, int]:
+    """Env options that split a fixed route assignment (a ``route_file``) between DDP ranks: rank r's rows start at
+    ``first_route + r N`` and advance by ``N W`` routes, so no two ranks drive the same routes (random routes need
+    nothing: each rank draws its own with its seed)."""
+    if world_size == 1 or not options.get("route_file"):
+        return {}
+    first = int(options.get("first_route") or 0)
+    return {"first_route": first + rank * num_envs, "route_stride": num_envs * world_size}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Signals
 # ------------------------------------------------------------------------------------------------------------------
@@ -258,7 +268,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     seed_everything(rank_seed)
 
     # -- env, model, trainer (the env first: a rejected option must not leave a run folder behind) -----------------
-    env = build_env(cfg, cfg.env.num_envs, device, rank_seed)
+    env = build_env(cfg, cfg.env.num_envs, device, rank_seed,
+                    **rank_routes(cfg.env.options, cfg.env.num_envs, ctx.rank, ctx.world_size))
     cfg.run_dir = str(run_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

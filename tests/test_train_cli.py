@@ -158,3 +158,25 @@ def test_runs_of_any_seed_are_evaluated_on_the_same_held_out_routes() -> None:
         cfg = load_config("train", [*TINY, f"seed={seed}", "logging.eval_seed=77"])
         Evaluation(cfg, True, Path("unused"), None, None, lambda _n, s: built.append(s)).make_env(2)  # type: ignore[arg-type]
     assert built == [77, 77]
+
+
+def test_ddp_ranks_split_a_route_file_between_them() -> None:
+    """With a route file (a fixed assignment), rank r of W with N envs starts at route r N and advances by N W:
+    two ranks never drive the same route at once. Random routes need no split (each rank draws its own)."""
+    from carl.factory import make_env
+    from carl.train import rank_routes
+    from envs.data import data_path
+
+    opts = {"map": "Town01", "route_file": data_path("data:longest6-v2/longest6_v2.xml"), "route_scenarios": False,
+            "bev": False, "traffic": False}
+    assert rank_routes(opts, 2, 0, 1) == {} and rank_routes({"map": "Town01"}, 2, 1, 2) == {}
+    assert rank_routes({**opts, "first_route": 1}, 2, 1, 2) == {"first_route": 3, "route_stride": 4}
+    first, following = [], []
+    for rank in (0, 1):
+        env = make_env("sim", 2, torch.device("cpu"), 5 + rank, opts, {}, rank_routes(opts, 2, rank, 2))
+        env.reset(seed=5 + rank)
+        first.append(env.state.route_id.tolist())
+        following.append(env.starts.next_route.tolist())  # what these rows drive after their first episode
+        env.close()
+    assert first == [[0, 1], [2, 3]]  # Town01 has 6 routes in longest6 v2
+    assert following == [[4, 5], [0, 1]]  # + N W = 4, modulo the 6 routes

@@ -175,8 +175,9 @@ class CarlaVectorEnv(BatchedEnv):
     # ------------------------------------------------------------------ processes
     def _spawn(self, i: int) -> None:
         parent, child = self.ctx.Pipe()
-        # worker i of N drives routes first_route + i, + N, ...: the workers share a route file between them
-        scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i, route_stride=self.num_envs)
+        # worker i of N drives routes first_route + i, + N, ... (+ route_stride where given: DDP ranks share the file)
+        scfg = dataclasses.replace(self.scfg, first_route=self.scfg.first_route + i,
+                                   route_stride=self.scfg.route_stride or self.num_envs)
         p = self.ctx.Process(target=_worker_main, args=(child, self.ccfg, scfg, self.blocks[i], self.seed + i,
                                                         os.getpid()), daemon=True, name=f"carla-worker-{i}")
         p.start()
