@@ -32,9 +32,11 @@ def _bezier(p0: np.ndarray, u0: np.ndarray, p2: np.ndarray, u2: np.ndarray) -> n
     return (1 - t) ** 2 * p0 + 2 * (1 - t) * t * c + t ** 2 * p2
 
 
-def junction_map() -> LaneGraph:
+def junction_map(arms: str = "ENWS") -> LaneGraph:
+    """A lit junction of the ``arms`` (a 4-way one by default; "EWS": a T without the north arm)."""
+    dirs = {k: d for k, d in DIRS.items() if k in arms}
     lanes, ids, stops = [], {}, []
-    for k, d in DIRS.items():
+    for k, d in dirs.items():
         d = np.array(d)
         r = np.array([d[1], -d[0]])
         ids[f"out_{k}"] = len(lanes)
@@ -42,15 +44,15 @@ def junction_map() -> LaneGraph:
         ids[f"in_{k}"] = len(lanes)
         lanes.append(Lane(points=np.stack([d * (HALF + ARM) - r * OFF, d * HALF - r * OFF]), width=WIDTH))
         stops.append(StopLine(lane=ids[f"in_{k}"], control=CONTROL_LIGHT, light_group=len(stops)))
-    for a, da in DIRS.items():
-        for b, db in DIRS.items():
+    for a, da in dirs.items():
+        for b, db in dirs.items():
             if a != b:
                 da_, db_ = np.array(da), np.array(db)
                 ra, rb = np.array([da_[1], -da_[0]]), np.array([db_[1], -db_[0]])
                 pts = _bezier(da_ * HALF - ra * OFF, -da_, db_ * HALF + rb * OFF, db_)
                 lanes[ids[f"in_{a}"]].successors.append(len(lanes))
                 lanes.append(Lane(points=pts, is_junction=True, junction=0, successors=[ids[f"out_{b}"]], width=WIDTH))
-    groups = [LightGroup(junction=0, phase=PHASE[k], num_phases=2) for k in DIRS]
+    groups = [LightGroup(junction=0, phase=PHASE[k], num_phases=2) for k in dirs]
     return LaneGraph.build("junction", lanes, stops, groups)
 
 
@@ -346,6 +348,24 @@ def test_training_routes_carry_scenarios_where_each_type_can_be_played() -> None
     counts = [len(random_route_scenarios(graph, straight, 40.0, (1.0, 0.0, 1.0, 0.0, 0.0, 0.0), rng))
               for _ in range(60)]
     assert np.mean(counts) == pytest.approx(40.0 * straight.length / 1000.0, rel=0.15)
+
+
+def test_training_routes_carry_junction_scenarios_only_where_their_streams_can_come_from() -> None:
+    """A right turn merges into the stream from the ego's left: at a T junction without that arm (west -> south, no
+    north arm) none is placed, so none is drawn and then skipped; the same turn at the 4-way junction gets them."""
+    from envs.sim.scenario_world import compile_scenarios, random_route_scenarios
+
+    only_right = (0.0, 0.0, 0.0, 1.0, 0.0, 0.0)
+    rng = np.random.default_rng(0)
+    for arms, playable in (("EWS", False), ("ENWS", True)):
+        graph = junction_map(arms)
+        right = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [-OFF, -HALF - ARM + 5]]), name="right")
+        placed = random_route_scenarios(graph, right, 40.0, only_right, rng)
+        assert bool(placed) == playable
+        if playable:  # and each compiles
+            right.scenarios = placed
+            _, kept = compile_scenarios(graph, [right], torch.device("cpu"))
+            assert all(rs.index >= 0 for rs in kept[0]) and len(kept[0]) == len(placed)
 
 
 @pytest.mark.parametrize("kind, to, removed, kept", [

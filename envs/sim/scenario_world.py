@@ -577,7 +577,8 @@ def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weight
     """Scenarios of the six types on a training route: Poisson(``per_km`` x length) of them, each type by
     ``weights`` (SCENARIO_TYPES order) among the types the route can play, each trigger at a random route point
     where its type can be played (the junction types and the cyclist 15-40 m before a junction the route turns at
-    as the type needs, with a light for the junction types)."""
+    as the type needs, with a light for the junction types, and the entry lane their stream or red-light runner comes
+    from: a site where :func:`place_scenario` would skip the type is no site)."""
     if per_km <= 0 or sum(weights) <= 0:
         return ()
     roads = _roads_cache(graph)
@@ -587,6 +588,8 @@ def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weight
     lit = [k for k in entries if roads.light(int(geo.lanes[k - 1])) >= 0]
     where = {LEFT: [k for k in lit if turn[k] > 30], RIGHT: [k for k in lit if turn[k] < -30],
              RED: [k for k in lit if abs(turn[k]) <= 30], TURN: [k for k in entries if abs(turn[k]) > 30]}
+    for kind in (LEFT, RIGHT, RED):  # and whose junction has the entry lanes they need (else skipped at compile)
+        where[kind] = [k for k in where[kind] if _places(kind, geo, roads, k)]
     # only the types the route has a site for are drawn, so the density holds on every route
     playable = np.asarray([w if where.get(k, True) else 0.0 for k, w in enumerate(weights)])
     if playable.sum() <= 0:
@@ -602,6 +605,18 @@ def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weight
         sd = ScenarioDef(f"{SCENARIO_TYPES[kind]}_{n}", SCENARIO_TYPES[kind], tuple(geo.pts[i]), geo.yaw(i))
         out.extend(scenarios_on_route([sd], geo.pts, route.name))
     return tuple(sorted(out, key=lambda rs: rs.index))
+
+
+def _places(kind: int, geo: _RouteGeo, roads: Roads, k: int) -> bool:
+    """Whether a junction scenario of ``kind`` triggered 25 m before the junction the route enters at point ``k``
+    can be placed (:func:`place_scenario` does not skip it)."""
+    i = max(0, geo.walk(k, 0.0) - 25)
+    sd = ScenarioDef("site", SCENARIO_TYPES[kind], tuple(geo.pts[i]), geo.yaw(i))
+    try:
+        place_scenario(scenarios_on_route([sd], geo.pts)[0], geo, roads, np.random.default_rng(0))
+    except ScenarioSkip:
+        return False
+    return True
 
 
 def _route_turn(geo: _RouteGeo, k: int) -> float:
