@@ -265,7 +265,7 @@ def test_unknown_group_choices_list_the_presets(override: str, listed: str) -> N
 
 def test_unknown_benchmark_lists_the_benchmarks() -> None:
     with pytest.raises(ConfigError, match=r"benchmark=longest7 is unknown; did you mean benchmark=longest6\? choose "
-                                          r"one of longest6, longest6_carla, towns, val14"):
+                                          r"one of longest6, longest6_carla, towns, unseen_towns, val14"):
         cli.load_config("eval", ["benchmark=longest7"])
 
 
