@@ -56,15 +56,16 @@ def junction_map(arms: str = "ENWS") -> LaneGraph:
     return LaneGraph.build("junction", lanes, stops, groups)
 
 
-def env_with(kind: str, to: str = "E", num_envs: int = 1, dt: float = 0.1, **params: str) -> SimEnv:
+def env_with(kind: str, to: str = "E", num_envs: int = 1, dt: float = 0.1, rules: str = "leaderboard",
+             **params: str) -> SimEnv:
     """An env whose one route (west end -> ``to``) carries one scenario of ``kind`` triggered 30 m before the
-    junction box (at x = -38)."""
+    junction box (at x = -38); Leaderboard rules unless ``rules`` says otherwise."""
     graph = junction_map()
     end = {"E": (HALF + ARM - 5, -OFF), "N": (OFF, HALF + ARM - 5), "S": (-OFF, -HALF - ARM + 5)}[to]
     route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], end]), name="r")
     sd = ScenarioDef(kind, kind, (-38.0, -OFF), 0.0, {k: {"value": v} for k, v in params.items()})
     route.scenarios = tuple(scenarios_on_route([sd], route.points, "r"))
-    cfg = SimConfig(traffic=False, rules="leaderboard", bev=False, dt=dt).validate()
+    cfg = SimConfig(traffic=False, rules=rules, bev=False, dt=dt).validate()
     world = build_world(graph, [route], cfg, torch.device("cpu"))
     assert world.route_scenarios[0][0].kept, world.route_scenarios[0][0].reason
     env = SimEnv(cfg, num_envs, world=world)
@@ -156,6 +157,20 @@ def test_driving_on_at_constant_speed_hits_the_pedestrian_and_stopping_does_not(
     stop = drive(env_with("DynamicObjectCrossing"), 8.0, 140, brake_at_x=-40.0)
     assert stop["episode/infractions/collision_pedestrian"][0] == 0
     assert stop["episode/scenarios/DynamicObjectCrossing/triggered"][0] == 1
+
+
+def test_a_collision_that_ends_the_episode_counts_against_the_live_scenario() -> None:
+    """Under CaRL's training rules the pedestrian collision of the test above ends the episode in the step it happens;
+    the episode's statistics still charge it to the live scenario (training logs once counted 0 such collisions)."""
+    ended = []
+    drive(env_with("DynamicObjectCrossing", rules="carl"), 8.0, 140,
+          record=lambda s, info: ended.append(info) if bool(info["done"][0]) else None)
+    assert ended, "the collision should end the episode under CaRL's rules"
+    first = ended[0]
+    assert first["episode/infractions/collision_pedestrian"][0] == 1
+    assert first["episode/scenarios/DynamicObjectCrossing/triggered"][0] == 1
+    assert first["episode/scenarios/DynamicObjectCrossing/collided"][0] == 1
+    assert first["episode/scenarios/DynamicObjectCrossing/passed"][0] == 0
 
 
 def test_a_collision_elsewhere_counts_against_the_live_scenario_but_its_pedestrian_walks_on() -> None:

@@ -137,11 +137,11 @@ class SimEnv(BatchedEnv):
         tracked = self.follow(s)
         self.scenarios.step(s)  # after the route progress, as the Leaderboard's triggerer
         judged = self.rules.judge(s, tracked)
+        reward = self.reward.reward(s, judged)
+        record.count(s, judged, reward)  # before the scenarios', which charge this step's collisions to a live one
         self.scenarios.record(s)
         for m in self.metrics:
             m.record(s)
-        reward = self.reward.reward(s, judged)
-        record.count(s, judged, reward)
         done = judged.terminated | judged.truncated
         info = self.episode_info(s, done, judged.ending, judged.truncated, judged.aborted)
         if self.cfg.keep_final_obs:
