@@ -148,6 +148,9 @@ class LoggingConfig:
     checkpoint_every: int = option(0, "update_<n>.pt every N updates; 0 = never", ge=0)
     eval_every: int = option(0, "evaluation (and best.pt) every N updates; 0 = only at the end", ge=0)
     eval_episodes: int = option(8, "held-out episodes per evaluation; 0 = no evaluation", ge=0)
+    final_eval_episodes: int = option(0, "held-out episodes of the final evaluation, on which last.pt, best.pt and the "
+                                         "baselines are compared (the recipes: 128, a standard error of ~3 DS); "
+                                         "0 = eval_episodes", ge=0)
     eval_max_steps: int = option(3000, "cap per evaluation episode (control steps)", ge=1)
     eval_seed: int = option(1_000_004, "seed of the held-out evaluation (its routes and traffic), the same whatever the "
                                         "training seed, so that runs of different seeds are scored on the same routes")

@@ -232,6 +232,23 @@ def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: d
     return best_ds
 
 
+def final_evaluation(evaluation: Evaluation, run_dir: Path, signature: dict[str, Any], update: int,
+                     global_step: int) -> dict[str, dict[str, Any]]:
+    """The final policy (``eval/final.json``) and the periodic evaluations' best.pt (``eval/final_best.json``) on the
+    final evaluation's held-out routes (``logging.final_eval_episodes``): both reported, and best.pt kept only where
+    it beats the final policy on these routes. Empty where evaluation is off."""
+    final = evaluation.run("final", update, global_step, episodes=evaluation.final_episodes)
+    if final is None:
+        return {}
+    trained = {"last": final}
+    best_file = run_dir / "best.pt"
+    if best_file.is_file():
+        ck = ckpt_lib.load_checkpoint(best_file, signature)
+        trained["best"] = evaluation.run("final_best", ck["update"], ck["global_step"],
+                                         episodes=evaluation.final_episodes, weights=ck["model"])
+    return trained
+
+
 def write_logs(stats: dict[str, float], tb: TBLogger, video: VideoRecorder, bar: ProgressBar, cfg: TrainConfig,
                run_dir: Path, update: int, num_updates: int, global_step: int, say: Callable[..., None]) -> None:
     """The update's video (when one was recorded), TensorBoard scalars and, when due, the summary line (``say``:
@@ -354,14 +371,15 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     elif ctx.is_main:
         try:  # the checkpoints are saved: a signal cuts the final evaluations short (never a checkpoint's write)
             with stop.at_once():
-                final = evaluation.run("final", update, global_step)
-            if final is not None:
-                if headline(final) > best_ds:
+                trained = final_evaluation(evaluation, run_dir, signature, update, global_step)
+            if trained:
+                final, best = trained["last"], trained.get("best")
+                if best is None or headline(final) >= headline(best):  # compared on the same final routes
                     best_ds = headline(final)
                     checkpoints.save("best.pt", update, global_step, best_ds)
                 checkpoints.save("last.pt", update, global_step, best_ds)
                 with stop.at_once():
-                    evaluation.baselines(final)
+                    evaluation.baselines({f"{k} ({v['update']})": v for k, v in trained.items()})
             if cfg.logging.final_benchmark:
                 with stop.at_once():
                     run_benchmark(cfg, run_dir, device)

@@ -67,6 +67,29 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert made2["runs_before"] == [{k: made[k] for k in ("command", "commit", "cpu")}]
 
 
+def test_the_final_evaluation_scores_last_and_best_on_its_own_routes(tmp_path: Path) -> None:
+    """3 updates, held-out evaluations after updates 1 and 2 (2 routes each; best.pt from them), then the final one on
+    ``final_eval_episodes`` = 3 routes for the final policy and for best.pt's weights, the baselines beside them;
+    best.pt ends as whichever of the two scores higher there (ties: the final policy)."""
+    run_dir = tmp_path / "run"
+    done = run([*TINY, "ppo.total_timesteps=48", "logging.eval_every=1", "logging.final_eval_episodes=3",
+                f"run_dir={run_dir}"])
+    assert done.returncode == 0, done.stderr
+    periodic = [json.loads((run_dir / f"eval/update_{u:06d}.json").read_text()) for u in (1, 2)]
+    assert [p["episodes"] for p in periodic] == [2, 2]
+    last = json.loads((run_dir / "eval/final.json").read_text())
+    best = json.loads((run_dir / "eval/final_best.json").read_text())
+    assert last["episodes"] == best["episodes"] == 3 and last["update"] == 3
+    first_best = max(periodic, key=lambda p: p["driving_score"])  # the first of equal scores stays best
+    assert best["update"] == first_best["update"]
+    table = json.loads((run_dir / "eval/baselines.json").read_text())
+    assert set(table) == {"last (3)", f"best ({best['update']})", "random"}
+    assert table["random"]["episodes"] == 3
+    kept = torch.load(run_dir / "best.pt", weights_only=True)["update"]
+    assert kept == (3 if last["driving_score"] >= best["driving_score"] else best["update"])
+    assert "final evaluation on 3 held-out routes" in done.stdout
+
+
 def test_config_error_exit_code(tmp_path: Path) -> None:
     bad = run([*TINY, "ppo.minibatch_size=7", f"run_dir={tmp_path / 'x'}"])
     assert bad.returncode == 2

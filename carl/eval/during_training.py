@@ -2,6 +2,7 @@
 the backend's expert beside it), and the final benchmark at its own conditions."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -51,32 +52,46 @@ class Evaluation:
     def make_env(self, n: int) -> BatchedEnv:
         return self.build_env(n, self.seed)
 
-    def run(self, name: str, update: int, global_step: int) -> dict[str, Any] | None:
-        """Evaluate the policy, write ``eval/<name>.json`` and log it; None where evaluation is off (or not rank 0)."""
+    @property
+    def final_episodes(self) -> int:
+        lg = self.cfg.logging
+        return lg.final_eval_episodes or lg.eval_episodes
+
+    def run(self, name: str, update: int, global_step: int, episodes: int | None = None,
+            weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any] | None:
+        """Evaluate the policy (or the same network with ``weights``, e.g. best.pt's) on ``episodes`` held-out routes
+        (default ``eval_episodes``), write ``eval/<name>.json`` and log it; None where evaluation is off (or not
+        rank 0)."""
         if not self.enabled:
             return None
         lg = self.cfg.logging
-        self.policy.eval()
-        result = evaluate(self.make_env, lambda _env: self.policy.deterministic_action, lg.eval_episodes,
+        policy = self.policy
+        if weights is not None:
+            policy = copy.deepcopy(self.policy)
+            policy.load_state_dict(weights)
+        policy.eval()
+        result = evaluate(self.make_env, lambda _env: policy.deterministic_action, episodes or lg.eval_episodes,
                           lg.eval_max_steps, self.seed)
         result.update(update=update, global_step=global_step)
         write_result(result, self.run_dir / "eval" / f"{name}.json")
-        scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score", "return",
-                                                     "closed_loop_score") if k in result}
-        scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
-        self.tb.scalars(scalars, global_step)
+        if weights is None:
+            scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score",
+                                                         "return", "closed_loop_score") if k in result}
+            scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
+            self.tb.scalars(scalars, global_step)
         return result
 
-    def baselines(self, trained: dict[str, Any]) -> None:
-        """The random policy and the backend's expert on the same routes; prints the table."""
-        lg, name = self.cfg.logging, self.cfg.env.name
-        results: dict[str, dict[str, Any]] = {"trained": trained}
+    def baselines(self, trained: dict[str, dict[str, Any]]) -> None:
+        """The random policy and the backend's expert on the final evaluation's routes, beside ``trained`` (name:
+        result, e.g. last and best); prints the table."""
+        lg, name, episodes = self.cfg.logging, self.cfg.env.name, self.final_episodes
+        results = dict(trained)
         if lg.final_baselines:
             factories: dict[str, PolicyFactory] = {"random": random_policy}
             expert = expert_factory(name)  # None for a custom env
             if expert is not None:
                 factories["expert"] = expert
             for who, factory in factories.items():
-                results[who] = evaluate(self.make_env, factory, lg.eval_episodes, lg.eval_max_steps, self.seed)
+                results[who] = evaluate(self.make_env, factory, episodes, lg.eval_max_steps, self.seed)
             write_result(results, self.run_dir / "eval" / "baselines.json")
-        print(f"final evaluation on {lg.eval_episodes} held-out routes:\n{format_eval_table(results)}")
+        print(f"final evaluation on {episodes} held-out routes:\n{format_eval_table(results)}")
