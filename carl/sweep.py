@@ -23,7 +23,8 @@ from envs.config import ConfigError
 
 SUMMARY = "sweep_summary"  # <sweep dir>/sweep_summary.md and .json
 ERROR_FILE = "error.txt"  # a failed job's one-line error, in its run folder
-METRICS = (("driving_score", "DS", 2), ("route_completion", "RC", 2), ("infraction_score", "IS", 3))
+METRICS = (("driving_score", "DS", 2), ("route_completion", "RC", 2), ("infraction_score", "IS", 3),
+           ("best_driving_score", "best.pt DS", 2))  # a column only where some run has it (carl-train's final_best)
 RDZV_PORT = 29400  # torchrun's rendezvous port on the first node of a multi-node job (env CARL_RDZV_PORT)
 
 
@@ -179,24 +180,26 @@ def _num(value: Any, digits: int) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as Markdown (``sweep_summary.md``, also printed)."""
     runs = summary["runs"]
+    metrics = [m for m in METRICS if m[0] != "best_driving_score" or any(r.get(m[0]) is not None for r in runs)]
     lines = [f"# Sweep {summary['sweep_dir']}", "",
              f"{len(runs)} runs; final held-out evaluation of each ({summary['source']}). "
              f"Common overrides: {' '.join(summary['common_overrides']) or 'none'}.", "",
-             "| job | overrides | DS | RC | IS | episodes | status | folder |", "|---|---|---|---|---|---|---|---|"]
+             "| job | overrides | " + " | ".join(short for _, short, _ in metrics) + " | episodes | status | folder |",
+             "|---|---|" + "---|" * len(metrics) + "---|---|---|"]
     for r in runs:
         folder = Path(r["folder"])
         rel = folder.relative_to(summary["sweep_dir"]) if folder.is_relative_to(summary["sweep_dir"]) else folder
         lines.append(f"| {r['job']} | {' '.join(r['varying']) or '-'} | "
-                     + " | ".join(_num(r[name], d) for name, _, d in METRICS)
+                     + " | ".join(_num(r[name], d) for name, _, d in metrics)
                      + f" | {r['episodes'] if r['episodes'] is not None else '-'} | {r['status']} | {rel} |")
     groups = summary["seed_groups"]
     if groups:
         lines += ["", "Mean ± sample standard deviation [min, max] over seeds (runs that differ only by seed):", "",
-                  "| overrides | seeds | " + " | ".join(short for _, short, _ in METRICS) + " |",
-                  "|---|---|" + "---|" * len(METRICS)]
+                  "| overrides | seeds | " + " | ".join(short for _, short, _ in metrics) + " |",
+                  "|---|---|" + "---|" * len(metrics)]
         for g in groups:
             cells = []
-            for name, _, d in METRICS:
+            for name, _, d in metrics:
                 st = g.get(name)
                 cells.append(f"{st['mean']:.{d}f} ± {st['std']:.{d}f} [{st['min']:.{d}f}, {st['max']:.{d}f}]"
                              if st else "-")

@@ -14,6 +14,7 @@ import yaml
 
 from carl import sweep
 from carl.config import ConfigError
+from carl.train import TrainCommand
 from tests.test_train_cli import REPO, TINY
 
 
@@ -91,6 +92,21 @@ def test_summary_table_and_mean_over_seeds(tmp_path: Path) -> None:
     assert (lr1["route_completion"]["min"], lr1["route_completion"]["max"]) == (50.0, 70.0)
     assert "| ppo.learning_rate=1e-4 | 1, 2, 3 | 50.00 ± 10.00 [40.00, 60.00] |" in text
     assert not any(g["overrides"] == ["ppo.learning_rate=3e-4"] for g in data["seed_groups"])  # one finished seed
+    assert "best.pt DS" not in text  # no run reports best.pt's final score: no column
+
+
+def test_summary_has_best_pt_s_score_where_the_runs_report_it(tmp_path: Path) -> None:
+    for num, (seed, ds, best) in enumerate([(1, 40.0, 44.0), (2, 50.0, 41.0)]):
+        _fake_run(tmp_path, num, ["+experiment=quick", f"seed={seed}"], ds)
+        (tmp_path / str(num) / "eval" / "final_best.json").write_text(json.dumps({"driving_score": best}))
+    text, data = sweep.write_summary(tmp_path, TrainCommand().result, "eval/final.json")
+    assert [r["best_driving_score"] for r in data["runs"]] == [44.0, 41.0]
+    assert "| job | overrides | DS | RC | IS | best.pt DS | episodes | status | folder |" in text
+    assert "| 0 | seed=1 | 40.00 | 50.00 | 0.400 | 44.00 | 32 | ok | 0 |" in text
+    (group,) = data["seed_groups"]
+    assert group["best_driving_score"]["mean"] == pytest.approx(42.5)
+    assert "| - | 1, 2 | 45.00 ± 7.07 [40.00, 50.00] | 55.00 ± 7.07 [50.00, 60.00] | 0.450 ± 0.071 [0.400, 0.500] | " \
+           "42.50 ± 2.12 [41.00, 44.00] |" in text
 
 
 # -- bad input: named with the fix, before anything runs ----------------------------------------------------------
