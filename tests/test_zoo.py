@@ -31,6 +31,11 @@ def test_the_zoo_ships_the_towns_vector_policy() -> None:
     assert "towns_vector" in zoo.names()
 
 
+def test_zoo_towns_names_the_towns_recipe_s_best_policy() -> None:
+    assert zoo.resolve("zoo:towns") == zoo.resolve("zoo:towns_vector") == str(zoo.ZOO_DIR / "towns_vector")
+    assert all(target in zoo.names() for target in zoo.aliases().values())  # every alias names a shipped folder
+
+
 def test_an_unknown_zoo_name_lists_the_shipped_ones() -> None:
     with pytest.raises(BundleError, match="zoo:towns_vector"):
         load_policy("zoo:no_such_policy")
