@@ -463,13 +463,14 @@ class TrainCommand(Command):
         return cfg.to_dict() if cfg.resume else None  # a resumed run's saved config, as it will run
 
     def result(self, folder: Path) -> dict[str, Any] | None:
-        """The final policy's evaluation, with best.pt's driving score on the same routes where there is one."""
+        """The final policy's evaluation, with the driving score of the best.pt the run kept (the higher of the final
+        policy and the periodic best on the same routes) where it evaluated one."""
         final, best = folder / "eval" / "final.json", folder / "eval" / "final_best.json"
         if not final.is_file():
             return None
         result = json.loads(final.read_text())
         if best.is_file():
-            result["best_driving_score"] = json.loads(best.read_text())["driving_score"]
+            result["best_driving_score"] = max(result["driving_score"], json.loads(best.read_text())["driving_score"])
         return result
 
 
