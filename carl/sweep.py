@@ -24,7 +24,8 @@ from envs.config import ConfigError
 SUMMARY = "sweep_summary"  # <sweep dir>/sweep_summary.md and .json
 ERROR_FILE = "error.txt"  # a failed job's one-line error, in its run folder
 METRICS = (("driving_score", "DS", 2), ("route_completion", "RC", 2), ("infraction_score", "IS", 3),
-           ("best_driving_score", "best.pt DS", 2))  # a column only where some run has it (carl-train's final_best)
+           ("best_driving_score", "best.pt DS", 2))
+OPTIONAL_METRICS = ("best_driving_score",)  # a column only where some run has it (carl-train's final_best.json)
 RDZV_PORT = 29400  # torchrun's rendezvous port on the first node of a multi-node job (env CARL_RDZV_PORT)
 
 
@@ -180,7 +181,7 @@ def _num(value: Any, digits: int) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as Markdown (``sweep_summary.md``, also printed)."""
     runs = summary["runs"]
-    metrics = [m for m in METRICS if m[0] != "best_driving_score" or any(r.get(m[0]) is not None for r in runs)]
+    metrics = [m for m in METRICS if m[0] not in OPTIONAL_METRICS or any(r.get(m[0]) is not None for r in runs)]
     lines = [f"# Sweep {summary['sweep_dir']}", "",
              f"{len(runs)} runs; final held-out evaluation of each ({summary['source']}). "
              f"Common overrides: {' '.join(summary['common_overrides']) or 'none'}.", "",

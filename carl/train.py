@@ -469,8 +469,10 @@ class TrainCommand(Command):
         if not final.is_file():
             return None
         result = json.loads(final.read_text())
-        if best.is_file():
-            result["best_driving_score"] = max(result["driving_score"], json.loads(best.read_text())["driving_score"])
+        if best.is_file():  # the rule of the run's end: the periodic best only where it scored higher (headline)
+            periodic = json.loads(best.read_text())
+            kept = periodic if headline(periodic) > headline(result) else result
+            result["best_driving_score"] = kept["driving_score"]
         return result
 
 
