@@ -146,6 +146,50 @@ def _load_weights(policy: ActorCritic, state: dict[str, torch.Tensor], where: st
     policy.load_state_dict(state)
 
 
+def load_initial_weights(policy: ActorCritic, source: str | Path) -> str:
+    """Copy the weights of a checkpoint or bundle (``zoo:<name>``) into ``policy`` (``init_from``: fine-tuning).
+
+    Raises :class:`CheckpointError` / :class:`BundleError` naming the file when it holds another model, observation
+    layout or action layout; returns a line saying what was loaded."""
+    try:
+        path = Path(zoo.resolve(str(source)))
+    except zoo.ZooError as exc:
+        raise BundleError(str(exc).replace("policy=", "init_from=", 1)) from None
+    mine = policy.signature()
+    if path.is_dir():
+        where = f"init_from={source} (bundle {path})"
+        spec = read_spec(path)
+        saved = spec["model"]["signature"]
+        state = _bundle_weights(path, spec)
+    else:
+        where = f"init_from={source}"
+        if not path.exists():
+            raise CheckpointError(f"{where}: {path} does not exist (give a checkpoint .pt file, a bundle directory "
+                                  "or zoo:<name>)")
+        ckpt = load_checkpoint(path, map_location="cpu")
+        saved, state = ckpt.get("signature") or {}, ckpt["model"]
+    diffs = [d for k in ("obs_shapes", "layout", "conv") if k in saved for d in _differences(k, saved[k], mine.get(k))]
+    if diffs:
+        raise CheckpointError(f"{where} does not fit this run's model and observation: " + "; ".join(diffs)
+                              + "; train with the env options and model it was trained with (its config)")
+    _load_weights(policy, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, where)
+    return f"initial weights from {path}"
+
+
+def _differences(key: str, saved: Any, mine: Any) -> list[str]:
+    """Short lines for what differs between two signature entries (per input where they are dicts)."""
+    if saved == mine:
+        return []
+    if not (isinstance(saved, dict) and isinstance(mine, dict)):
+        return [f"{key}: file has {saved}, this run builds {mine}"]
+    out = [f"{key}: the file's {sorted(set(saved) - set(mine))} are not in this run"] if set(saved) - set(mine) else []
+    if set(mine) - set(saved):
+        out.append(f"{key}: this run's {sorted(set(mine) - set(saved))} are not in the file")
+    out += [f"{key}.{k}: file has {saved[k]}, this run builds {mine[k]}" for k in sorted(set(saved) & set(mine))
+            if saved[k] != mine[k]]
+    return out
+
+
 def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[ActorCritic, dict[str, Any]]:
     """Load a training checkpoint into a fresh network (eval mode); return it and the checkpoint dict.
 
@@ -243,22 +287,26 @@ def bundle_file(bundle: Path, spec: dict[str, Any], kind: str) -> Path:
 
 
 def _policy_from_bundle(bundle: Path, device: str | torch.device) -> ActorCritic:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     spec = read_spec(bundle)
-    weights = bundle_file(bundle, spec, "weights")
     signature = spec["model"]["signature"]
     where = f"bundle {bundle}"
     policy = build_policy(signature["obs_shapes"], spec["model"], where, signature.get("layout"))
     _check_signature(policy, signature, where)
+    _load_weights(policy, _bundle_weights(bundle, spec), where)
+    return policy.to(device).eval()
+
+
+def _bundle_weights(bundle: Path, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The bundle's safetensors weights, checked against spec.json's sha256."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights = bundle_file(bundle, spec, "weights")
     try:
-        state = load_file(str(weights))
+        return load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise BundleError(f"bundle {bundle}: {weights.name} is not a safetensors file ({exc}); export it again with "
                           "carl-export") from None
-    _load_weights(policy, state, where)
-    return policy.to(device).eval()
 
 
 @dataclass

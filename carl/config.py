@@ -170,6 +170,9 @@ class TrainConfig:
     seed: int = option(1, "seed of the run (each rank and env row derives its own)")
     run_dir: str | None = option(None, "the run folder; default runs/<experiment>-<timestamp>")
     resume: str | None = option(None, "a run folder to continue (its config.yaml and last.pt)")
+    init_from: str | None = option(None, "weights that start a new run (fine-tuning): a checkpoint .pt or a bundle "
+                                         "(zoo:<name>) of the same model and observation; the optimiser, counters "
+                                         "and learning-rate schedule start fresh")
     lock_wait_s: float = option(0.0, "seconds to wait while another process holds the run folder before refusing "
                                      "(carl/runlock.py); e.g. 120 for a SLURM job requeued while its predecessor "
                                      "still saves its last checkpoint; 0 = refuse at once", ge=0)

@@ -37,6 +37,7 @@ import torch
 from carl import checkpoint as ckpt_lib
 from carl import config
 from carl import sweep
+from carl.bundle import BundleError, load_initial_weights
 from carl.cli import Command, quote, run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.during_training import Evaluation, run_benchmark
@@ -287,13 +288,17 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     # -- env, model, trainer (the env first: a rejected option must not leave a run folder behind) -----------------
     env = build_env(cfg, cfg.env.num_envs, device, rank_seed,
                     **rank_routes(cfg.env.options, cfg.env.num_envs, ctx.rank, ctx.world_size))
+    policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(device)
+    signature = policy.signature()
+    # a resumed run's weights come from its own last.pt
+    loaded = load_initial_weights(policy, cfg.init_from) if cfg.init_from and not cfg.resume else None
     cfg.run_dir = str(run_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
     say(f"run folder: {run_dir}", flush=True)
-    policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(device)
-    signature = policy.signature()
+    if loaded:
+        say(loaded, flush=True)
     if cfg.parallel.compile:
         policy.compile()
     try:
@@ -407,6 +412,7 @@ class TrainCommand(Command):
     groups = config.GROUPS
     errors = {  # noqa: RUF012
         ConfigError: ("config error", 2, ""), ckpt_lib.CheckpointError: ("checkpoint error", 2, ""),
+        BundleError: ("bundle error", 2, ""),
         DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")}
     result_source = "eval/final.json"
     locks_folder = True

@@ -90,6 +90,24 @@ def test_the_final_evaluation_scores_last_and_best_on_its_own_routes(tmp_path: P
     assert "final evaluation on 3 held-out routes" in done.stdout
 
 
+def test_init_from_starts_a_new_run_from_another_run_s_weights(tmp_path: Path) -> None:
+    first = run([*TINY, f"run_dir={tmp_path / 'a'}"])
+    assert first.returncode == 0, first.stderr
+    source = tmp_path / "a" / "last.pt"
+    # another seed (another fresh init) and a learning rate too small to move the weights: they are the file's
+    tuned = run([*TINY, "seed=5", "ppo.learning_rate=1e-12", "ppo.total_timesteps=16", f"init_from={source}",
+                 f"run_dir={tmp_path / 'b'}"])
+    assert tuned.returncode == 0, tuned.stderr
+    assert f"initial weights from {source}" in tuned.stdout and "update 1/1" in tuned.stdout  # counters start at 0
+    want = torch.load(source, weights_only=True)["model"]
+    got = torch.load(tmp_path / "b" / "last.pt", weights_only=True)["model"]
+    assert max((got[k].float() - v.float()).abs().max().item() for k, v in want.items()) < 1e-6
+    # weights of another observation (3 BEV channels against 4): refused before a run folder exists, naming the input
+    other = run([*TINY, "++env.options.bev_channels=4", f"init_from={source}", f"run_dir={tmp_path / 'c'}"])
+    assert other.returncode == 2 and "init_from=" in other.stderr and "obs_shapes.bev" in other.stderr
+    assert "Traceback" not in other.stderr and not (tmp_path / "c").exists()
+
+
 def test_config_error_exit_code(tmp_path: Path) -> None:
     bad = run([*TINY, "ppo.minibatch_size=7", f"run_dir={tmp_path / 'x'}"])
     assert bad.returncode == 2

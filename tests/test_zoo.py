@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from carl import zoo
-from carl.bundle import BundleError, check_bundle, load_policy
+import torch
+
+from carl.bundle import BundleError, build_policy, check_bundle, load_initial_weights, load_policy, read_spec
 from carl.cli import load_config
 from carl.eval import EvalError
 from carl.eval.cli import run as carl_eval
@@ -53,3 +55,14 @@ def test_the_shipped_towns_policy_drives_two_longest6_routes(tmp_path: Path) -> 
     random = json.loads((tmp_path / "zoo" / "baselines" / "random" / "summary.json").read_text())
     assert trained["episodes"] == 2 and random["episodes"] == 2
     assert trained["means"]["route_completion"] > 2 * random["means"]["route_completion"] + 5.0, (trained, random)
+
+
+def test_a_shipped_policy_starts_a_fine_tuning_run() -> None:
+    """``init_from=zoo:<name>``: a freshly built network of the bundle's model takes the bundle's weights."""
+    spec = read_spec(zoo.ZOO_DIR / "towns_vector")
+    signature = spec["model"]["signature"]
+    fresh = build_policy(signature["obs_shapes"], spec["model"], "test", signature.get("layout"))
+    assert "zoo/towns_vector" in load_initial_weights(fresh, "zoo:towns")
+    shipped = load_policy("zoo:towns_vector")[0].actor.policy.state_dict()
+    mine = fresh.state_dict()
+    assert shipped.keys() == mine.keys() and all(torch.equal(mine[k], v) for k, v in shipped.items())
