@@ -105,6 +105,22 @@ VECTOR_FEATURES = {
                 "valid"),
 }
 VECTOR_SETS = tuple(VECTOR_FEATURES)  # the entity sets, in the observation's order
+# With vector.path_conflicts, the moving actors (vehicles, pedestrians) also say where their constant-velocity path
+# first meets the route ahead (within PATH_MEET_M of a route sample, in the next PATH_HORIZON_S): path_s_m route metres
+# from the ego's route point, path_t_s seconds until then (PATH_HORIZON_S and path_s_m 0 where it does not meet), and
+# path_meets 1/0. A car behind the ego on its route meets it at path_s_m 0 after path_t_s = gap / speed; a car of a
+# crossing stream where it crosses or joins the route: the gap-acceptance quantities, read without a search
+PATH_FEATURES = ("path_s_m", "path_t_s", "path_meets")
+PATH_SETS = (OBS_VEHICLES, OBS_PEDESTRIANS)
+PATH_MEET_M, PATH_HORIZON_S = 3.0, 10.0
+
+
+def vector_features(path_conflicts: bool = False) -> dict[str, tuple[str, ...]]:
+    """The feature names of each vector set (:data:`VECTOR_FEATURES`), with :data:`PATH_FEATURES` before the
+    validity flag of the moving actors' sets where ``path_conflicts``."""
+    if not path_conflicts:
+        return dict(VECTOR_FEATURES)
+    return {k: (*v[:-1], *PATH_FEATURES, v[-1]) if k in PATH_SETS else v for k, v in VECTOR_FEATURES.items()}
 
 # Action components, in the order of the action tensor (``BatchedEnv.action_spec.names``).
 ACTIONS = ("steer", "longitudinal")  # every backend's default: steer, throttle (> 0) / brake (< 0)

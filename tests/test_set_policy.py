@@ -141,3 +141,14 @@ def test_the_pairing_reads_nuplans_nested_simulator_options() -> None:
     cfg.env.options = {"sim": {"observation": "bev"}}
     with pytest.raises(ConfigError, match=r"env.options.sim.observation=bev; set env.options.sim.observation=vector"):
         validate(cfg)
+
+
+def test_a_bundle_records_whether_its_policy_reads_the_path_conflicts() -> None:
+    """``vector.path_conflicts`` is part of the geometry an evaluation env must rebuild (3 more features per actor)."""
+    from carl.spec import vector_geometry
+    from envs.api import vector_features
+
+    shapes = {k: [4, len(v)] for k, v in vector_features(True).items()}
+    on = {"env": {"name": "sim", "options": {"observation": "vector", "vector": {"path_conflicts": True}}}}
+    assert vector_geometry(on, shapes)["path_conflicts"] is True
+    assert vector_geometry({"env": {"name": "sim", "options": {"observation": "vector"}}}, shapes)["path_conflicts"] is False

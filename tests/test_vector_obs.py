@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from envs.api import OBS_LANES, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STOPS, OBS_VEHICLES, VECTOR_FEATURES
+from envs.api import (OBS_LANES, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STOPS, OBS_VEHICLES, PATH_FEATURES, VECTOR_FEATURES,
+                      vector_features)
 from envs.config import ConfigError, from_dict
 from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
 from envs.maps.routes import Route
@@ -216,6 +217,38 @@ def test_actors_are_placed_along_and_across_the_route_ahead() -> None:
     assert obs[0, f["route_d_m"]].item() == pytest.approx(2.0, abs=1e-3)
     assert obs[1, f["route_s_m"]].item() == pytest.approx(49.0 + math.hypot(1.0, W) + 13.0 - 10.0, abs=1e-3)
     assert obs[1, f["route_d_m"]].item() == pytest.approx(-1.0, abs=1e-3)
+
+
+def test_path_conflicts_say_where_and_when_each_moving_actor_meets_the_route() -> None:
+    """Ego at route point x = 10 heading east; the route samples every 4 m lie at (10 + 4k, 0), route metres 4k, up
+    to the lane change at x = 50. A car at (30, 20) heading south at 10 m/s crosses y = 0 at x = 30, the sample 20 m
+    ahead, after 20 / 10 = 2 s. A car at (0, 0) heading east at 5 m/s (behind the ego, on its route) reaches the ego's
+    route point after 10 / 5 = 2 s. A car at (30, 10) heading north moves away: no sample comes within 3 m. A walker at
+    (38, -6) heading north at 2 m/s reaches the sample at x = 38 (28 m ahead) after 3 s. Then a car standing 0.5 m
+    beside the route at x = 22 meets the sample there (12 m) at once."""
+    env = make_env(path_conflicts=True)
+    place(env, 10.0, 0.0, 0.0, 10)
+    v, p = env.state.veh, env.state.ped
+    for i, (xy, yaw, speed) in enumerate((((30.0, 20.0), -math.pi / 2, 10.0), ((0.0, 0.0), 0.0, 5.0),
+                                          ((30.0, 10.0), math.pi / 2, 10.0))):
+        v.xy[0, i], v.yaw[0, i], v.speed[0, i], v.valid[0, i] = torch.tensor(xy), yaw, speed, True
+    p.xy[0, 0], p.yaw[0, 0], p.speed[0, 0], p.moving[0, 0], p.valid[0, 0] = torch.tensor([38.0, -6.0]), \
+        math.pi / 2, 2.0, True, True
+    obs = env.observe()
+    names = vector_features(True)
+    assert names[OBS_VEHICLES][-4:] == (*PATH_FEATURES, "valid") and names[OBS_PEDESTRIANS][-4:-1] == PATH_FEATURES
+    f, fp = {n: i for i, n in enumerate(names[OBS_VEHICLES])}, {n: i for i, n in enumerate(names[OBS_PEDESTRIANS])}
+    got = lambda row, ff: [round(row[ff[n]].item(), 3) for n in PATH_FEATURES]  # noqa: E731
+    cars = obs[OBS_VEHICLES][0]
+    assert got(cars[0], f) == [20.0, 2.0, 1.0]
+    assert got(cars[1], f) == [0.0, 2.0, 1.0]
+    assert got(cars[2], f) == [0.0, 10.0, 0.0]  # the horizon where it never meets
+    assert got(obs[OBS_PEDESTRIANS][0][0], fp) == [28.0, 3.0, 1.0]
+    v.xy[0, 0], v.speed[0, 0], v.valid[0, 1], v.valid[0, 2] = torch.tensor([22.0, 0.5]), 0.0, False, False
+    cars = env.observe()[OBS_VEHICLES][0]
+    assert got(cars[0], f) == [12.0, 0.0, 1.0] and not cars[1:].any()
+    # off by default: the layout of policies trained without them is unchanged
+    assert make_env().observation_spec[OBS_VEHICLES].names == VECTOR_FEATURES[OBS_VEHICLES]
 
 
 def test_episodes_of_a_vector_policy_are_recorded_with_the_bev_of_the_state() -> None:

@@ -27,6 +27,9 @@ class VectorConfig:
     statics: int | None = None  # nearest static objects (None: every static slot)
     actor_radius: float = 60.0  # m: actors farther from the ego are masked
     stops: int = 2  # next stop lines (traffic lights, stop signs) on the route
+    # vehicles and pedestrians also say where (route metres ahead) and when (s) their constant-velocity path first
+    # meets the route ahead (envs.api.PATH_FEATURES): the gap to accept in a stream, the time a car behind needs
+    path_conflicts: bool = False
 
     def validate(self, prefix: str) -> None:
         checks = Checks()

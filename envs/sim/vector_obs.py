@@ -27,8 +27,8 @@ from scipy.spatial import cKDTree
 from torch import Tensor
 
 from envs.api import (LAYOUT_VECTOR, MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_PEDESTRIANS, OBS_ROUTE,
-                      OBS_STATICS, OBS_STOPS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES, VALUE_MEASUREMENTS,
-                      VECTOR_FEATURES, TensorSpec)
+                      OBS_STATICS, OBS_STOPS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES, PATH_HORIZON_S, PATH_MEET_M,
+                      PATH_SETS, VALUE_MEASUREMENTS, TensorSpec, vector_features)
 from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
@@ -185,6 +185,30 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     return torch.stack((along, left), -1)
 
 
+def path_meeting(xy: Tensor, vel: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Tensor:
+    """Where and when each actor's constant-velocity path first meets the route ahead: ego-frame positions and
+    velocities [B, A, 2], the route frame's samples (``route`` [B, N, 4], their route metres ``arc`` [B, N], ``ok``
+    [B, N]) -> [B, A, 3]: route metres of the sample met, seconds until then, 1/0 (``envs.api.PATH_FEATURES``).
+
+    An actor meets a sample when its closest approach to it within ``PATH_HORIZON_S`` (time ``t* = (r - p).v / |v|^2``
+    clamped to the horizon; 0 for an actor standing still) is within ``PATH_MEET_M``; of those samples the earliest
+    (then the nearest on the route) counts. One broadcast over actors x samples: no loop."""
+    rel = route[..., :2].unsqueeze(1) - xy.unsqueeze(2)  # [B, A, N, 2] actor -> sample
+    v = vel.unsqueeze(2)
+    vv = v.square().sum(-1)
+    t = ((rel * v).sum(-1) / vv.clamp(min=1e-6)).clamp(0.0, PATH_HORIZON_S) * (vv > 1e-6)
+    miss = (rel - v * t.unsqueeze(-1)).square().sum(-1)
+    meets = ok.unsqueeze(1) & (miss <= PATH_MEET_M * PATH_MEET_M)
+    s_ahead = arc.unsqueeze(1).expand_as(t)
+    # earliest, then nearest along the route (metres are < 1e4, so one key orders both)
+    key = torch.where(meets, t * 1e4 + s_ahead.clamp(min=0), math.inf)
+    j = key.argmin(-1, keepdim=True)  # [B, A, 1]
+    hit = meets.any(-1)
+    when = torch.where(hit, torch.gather(t, -1, j).squeeze(-1), PATH_HORIZON_S)
+    where = torch.where(hit, torch.gather(s_ahead, -1, j).squeeze(-1), 0.0)
+    return torch.stack((where, when, hit.float()), -1)
+
+
 class VectorObserver(Observer):
     """The vector observation (module docstring); the critic keeps CaRL's value measurements."""
 
@@ -210,8 +234,8 @@ class VectorObserver(Observer):
         spec = {OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
                                                    names=VALUE_MEASUREMENTS)}
-        spec.update({k: TensorSpec((n, len(VECTOR_FEATURES[k])), torch.float32, names=VECTOR_FEATURES[k])
-                     for k, n in self.counts.items()})
+        names = vector_features(self.setup.cfg.vector.path_conflicts)
+        spec.update({k: TensorSpec((n, len(names[k])), torch.float32, names=names[k]) for k, n in self.counts.items()})
         return spec
 
     def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
@@ -268,8 +292,15 @@ class VectorObserver(Observer):
                 (OBS_STATICS, (o.xy, heading(o), o.half, col(o.valid)), 2))
         posed = [ego_frame(self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key]), s.ego_xy, s.ego_yaw, pairs)
                  for key, cols, pairs in sets]
-        along = route_coordinates(torch.cat([f[..., :2] for f in posed], 1), *frame).split(  # one pass for all
-            [f.shape[1] for f in posed], 1)
+        along = list(route_coordinates(torch.cat([f[..., :2] for f in posed], 1), *frame).split(  # one pass for all
+            [f.shape[1] for f in posed], 1))
+        if self.setup.cfg.vector.path_conflicts:  # velocities are columns 4, 5 of the moving actors' sets
+            moving = [i for i, (key, _, _) in enumerate(sets) if key in PATH_SETS]
+            met = path_meeting(torch.cat([posed[i][..., :2] for i in moving], 1),
+                               torch.cat([posed[i][..., 4:6] for i in moving], 1), *frame).split(
+                [posed[i].shape[1] for i in moving], 1)
+            for i, m in zip(moving, met):
+                along[i] = torch.cat((along[i], m), -1)
         return {key: _within(torch.cat((f[..., :-1], a, f[..., -1:]), -1), self.setup.cfg.vector.actor_radius)
                 for (key, _, _), f, a in zip(sets, posed, along)}
 
