@@ -88,8 +88,8 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
     vec = OmegaConf.to_container(compose([f"+experiment={preset}"]))
     bev = OmegaConf.to_container(compose([f"+experiment={twin}"]))
     assert vec["model"]["name"] == "set" and vec["env"]["options"]["observation"] == "vector"
-    bev_only = {"bev_size", "bev_ppm", "bev_ego_from_bottom", "observation", "bev"}
-    same = {k: v for k, v in bev["env"]["options"].items() if k not in bev_only}
+    per_path = {"bev_size", "bev_ppm", "bev_ego_from_bottom", "observation", "bev", "vector"}  # each path's own view
+    same = {k: v for k, v in bev["env"]["options"].items() if k not in per_path}
     assert {k: vec["env"]["options"].get(k) for k in same} == same
     assert vec["env"].get("eval_options") == bev["env"].get("eval_options")
     assert isinstance(train_config([f"+experiment={preset}"]), TrainConfig)
