@@ -18,6 +18,8 @@ ms_per_step within 20 % of a single town's at the same batch. Each line carries 
 
 ``--vector``: also time the vector observation (``env.options.observation=vector``) at each batch; a ``vector_cost``
 line gives its cost beside no observation. Target (issue 24): at most 25 % at batch 1024 on 2 cores.
+``--path-conflicts`` (with ``--vector``): also the vector observation with ``vector.path_conflicts`` (the towns_vector
+recipe's), observation ``vector+paths``, with its own cost line.
 
 ``--scenario-densities``: scenarios per km on the random routes (``env.options.scenario_density``; longest6 v2 carries
 7.4). Target (issue 23): ms_per_step with scenarios within 15 % of the same run without them.
@@ -65,12 +67,14 @@ def world_mb(env) -> float:
 
 def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, traffic: bool,
           world: str = "procedural", scenario_density: float = 0.0) -> dict:
-    """``bev_size``: a BEV size, None (no observation beyond the measurements) or "vector"."""
-    vector = bev_size == "vector"
-    options = dict(bev=bev_size is not None and not vector, traffic=traffic, num_routes=256,
+    """``bev_size``: a BEV size, None (no observation beyond the measurements), "vector" or "vector+paths" (with
+    path conflicts)."""
+    observation = bev_size if bev_size in ("vector", "vector+paths") else None
+    options = dict(bev=bev_size is not None and observation is None, traffic=traffic, num_routes=256,
                    scenario_density=scenario_density, **world_options(world))
-    if vector:
+    if observation:
         options["observation"], bev_size = "vector", None
+        options["vector"] = {"path_conflicts": observation == "vector+paths"}
     if bev_size is not None:
         options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
     t_load = time.perf_counter()
@@ -92,7 +96,7 @@ def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, t
         sync()
     elapsed = time.perf_counter() - t0
     return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
-            "observation": "vector" if vector else "bev" if bev_size is not None else "none",
+            "observation": observation or ("bev" if bev_size is not None else "none"),
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
             "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
             "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
@@ -128,6 +132,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-traffic", action="store_true")
     p.add_argument("--vector", action="store_true", help="also time the vector observation at each batch")
+    p.add_argument("--path-conflicts", action="store_true", help="with --vector: also with vector.path_conflicts")
     p.add_argument("--scenario-densities", type=float, nargs="*", default=[0.0],
                    help="route scenarios per km on the random routes (0: none)")
     p.add_argument("--worlds", nargs="*", default=["procedural"],
@@ -139,7 +144,8 @@ def main() -> None:
     bev_sizes = args.bev_sizes or ([128, 256] if cuda else [128])
     results = []
     for world in args.worlds:
-        for bev in [None, *(["vector"] if args.vector else []), *bev_sizes]:
+        vectors = (["vector", *(["vector+paths"] if args.path_conflicts else [])] if args.vector else [])
+        for bev in [None, *vectors, *bev_sizes]:
             for batch in batches:
                 if isinstance(bev, int) and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
                     continue  # observation alone would not fit
@@ -148,11 +154,12 @@ def main() -> None:
                     results.append(r)
                     print(json.dumps(r), flush=True)
     for r in results:
-        if r["observation"] == "vector":
+        if r["observation"].startswith("vector"):
             base = next(b for b in results if b["observation"] == "none" and b["batch"] == r["batch"]
                         and b["world"] == r["world"] and b["scenario_density"] == r["scenario_density"])
             print(json.dumps({"vector_cost": round(r["ms_per_step"] / base["ms_per_step"] - 1.0, 3),
-                              "batch": r["batch"], "world": r["world"], "target": 0.25, "cpu": r["cpu"]}), flush=True)
+                              "observation": r["observation"], "batch": r["batch"], "world": r["world"],
+                              "target": 0.25, "cpu": r["cpu"]}), flush=True)
     ref = bench_highway_env(args.seconds)
     if ref is not None:
         ours = next((r for r in results if r["batch"] == 1 and r["observation"] == "none"), None)

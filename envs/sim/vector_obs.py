@@ -193,19 +193,21 @@ def path_meeting(xy: Tensor, vel: Tensor, route: Tensor, arc: Tensor, ok: Tensor
     An actor meets a sample when its closest approach to it within ``PATH_HORIZON_S`` (time ``t* = (r - p).v / |v|^2``
     clamped to the horizon; 0 for an actor standing still) is within ``PATH_MEET_M``; of those samples the earliest
     (then the nearest on the route) counts. One broadcast over actors x samples: no loop."""
-    rel = route[..., :2].unsqueeze(1) - xy.unsqueeze(2)  # [B, A, N, 2] actor -> sample
-    v = vel.unsqueeze(2)
-    vv = v.square().sum(-1)
-    t = ((rel * v).sum(-1) / vv.clamp(min=1e-6)).clamp(0.0, PATH_HORIZON_S) * (vv > 1e-6)
-    miss = (rel - v * t.unsqueeze(-1)).square().sum(-1)
+    # per component, [B, A, N] each (no [.., 2] intermediates): actor -> sample, and its projection on the velocity
+    rx = route[..., 0].unsqueeze(1) - xy[..., :1]
+    ry = route[..., 1].unsqueeze(1) - xy[..., 1:]
+    vx, vy = vel[..., :1], vel[..., 1:]
+    vv = vx * vx + vy * vy  # [B, A, 1]
+    dot = rx * vx + ry * vy
+    t = (dot / vv.clamp(min=1e-6)).clamp_(0.0, PATH_HORIZON_S).mul_(vv > 1e-6)
+    miss = rx.square_().add_(ry.square_()).sub_(2 * t * dot).add_(t * t * vv)  # |r - p - v t|^2
     meets = ok.unsqueeze(1) & (miss <= PATH_MEET_M * PATH_MEET_M)
-    s_ahead = arc.unsqueeze(1).expand_as(t)
     # earliest, then nearest along the route (metres are < 1e4, so one key orders both)
-    key = torch.where(meets, t * 1e4 + s_ahead.clamp(min=0), math.inf)
+    key = torch.where(meets, t * 1e4 + arc.clamp(min=0).unsqueeze(1), math.inf)
     j = key.argmin(-1, keepdim=True)  # [B, A, 1]
     hit = meets.any(-1)
     when = torch.where(hit, torch.gather(t, -1, j).squeeze(-1), PATH_HORIZON_S)
-    where = torch.where(hit, torch.gather(s_ahead, -1, j).squeeze(-1), 0.0)
+    where = torch.where(hit, torch.gather(arc.unsqueeze(1).expand_as(t), -1, j).squeeze(-1), 0.0)
     return torch.stack((where, when, hit.float()), -1)
 
 
