@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from carl import zoo
-from carl.checkpoint import CheckpointError, load_checkpoint
+from carl.checkpoint import CheckpointError, load_checkpoint, signature_differences
 from carl.config import MODEL_NAMES
 from carl.policy import ActorCritic, CarlPolicy, beta_mean_action, beta_sample, make_policy
 from carl.spec import (BUNDLE_FORMAT, BUNDLE_VERSION, FILES, ONNX_INPUTS, ONNX_OUTPUTS, control_dt_of, make_spec,
@@ -155,39 +155,23 @@ def load_initial_weights(policy: ActorCritic, source: str | Path) -> str:
         path = Path(zoo.resolve(str(source)))
     except zoo.ZooError as exc:
         raise BundleError(str(exc).replace("policy=", "init_from=", 1)) from None
-    mine = policy.signature()
     if path.is_dir():
         where = f"init_from={source} (bundle {path})"
         spec = read_spec(path)
-        saved = spec["model"]["signature"]
-        state = _bundle_weights(path, spec)
+        saved, state = spec["model"]["signature"], _bundle_weights(path, spec)
     else:
         where = f"init_from={source}"
         if not path.exists():
             raise CheckpointError(f"{where}: {path} does not exist (give a checkpoint .pt file, a bundle directory "
                                   "or zoo:<name>)")
         ckpt = load_checkpoint(path, map_location="cpu")
-        saved, state = ckpt.get("signature") or {}, ckpt["model"]
-    diffs = [d for k in ("obs_shapes", "layout", "conv") if k in saved for d in _differences(k, saved[k], mine.get(k))]
+        saved, state = ckpt["signature"], ckpt["model"]
+    diffs = signature_differences(policy.signature(), saved)
     if diffs:
         raise CheckpointError(f"{where} does not fit this run's model and observation: " + "; ".join(diffs)
                               + "; train with the env options and model it was trained with (its config)")
-    _load_weights(policy, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, where)
+    _load_weights(policy, state, where)  # load_state_dict casts (a bf16 file into fp32 parameters)
     return f"initial weights from {path}"
-
-
-def _differences(key: str, saved: Any, mine: Any) -> list[str]:
-    """Short lines for what differs between two signature entries (per input where they are dicts)."""
-    if saved == mine:
-        return []
-    if not (isinstance(saved, dict) and isinstance(mine, dict)):
-        return [f"{key}: file has {saved}, this run builds {mine}"]
-    out = [f"{key}: the file's {sorted(set(saved) - set(mine))} are not in this run"] if set(saved) - set(mine) else []
-    if set(mine) - set(saved):
-        out.append(f"{key}: this run's {sorted(set(mine) - set(saved))} are not in the file")
-    out += [f"{key}.{k}: file has {saved[k]}, this run builds {mine[k]}" for k in sorted(set(saved) & set(mine))
-            if saved[k] != mine[k]]
-    return out
 
 
 def policy_from_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tuple[ActorCritic, dict[str, Any]]:

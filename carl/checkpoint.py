@@ -135,16 +135,26 @@ def make_checkpoint(
     return ckpt
 
 
-def _compatible(expected: dict, found: dict) -> list[str]:
-    """Differences between two model signatures that make the weights unloadable (num_params is informative)."""
-    diffs = []
-    for key in ("obs_shapes", "conv"):
-        if expected.get(key) != found.get(key):
-            diffs.append(f"{key}: checkpoint has {found.get(key)}, this model has {expected.get(key)}")
-    # inputs of the same shapes that mean other things (a checkpoint without names predates them: not compared)
-    if "layout" in expected and "layout" in found and expected["layout"] != found["layout"]:
-        diffs.append(f"layout: checkpoint has {found['layout']}, this model has {expected['layout']}")
-    return diffs
+def signature_differences(expected: dict, found: dict) -> list[str]:
+    """Differences between two model signatures that make the weights unloadable (num_params is informative), one
+    line per input that differs. Inputs of the same shapes that mean other things differ by ``layout`` (a file
+    without names predates them: not compared)."""
+    keys = ("obs_shapes", "conv", *(("layout",) if "layout" in expected and "layout" in found else ()))
+    return [line for key in keys for line in _differences(key, found.get(key), expected.get(key))]
+
+
+def _differences(key: str, found: Any, expected: Any) -> list[str]:
+    """Short lines for what differs between the file's and this model's signature entry (per input for dicts)."""
+    if found == expected:
+        return []
+    if not (isinstance(found, dict) and isinstance(expected, dict)):
+        return [f"{key}: checkpoint has {found}, this model has {expected}"]
+    out = [f"{key}: the file's {sorted(set(found) - set(expected))} are not in this model"] \
+        if set(found) - set(expected) else []
+    if set(expected) - set(found):
+        out.append(f"{key}: this model's {sorted(set(expected) - set(found))} are not in the file")
+    return out + [f"{key}.{k}: checkpoint has {found[k]}, this model has {expected[k]}"
+                  for k in sorted(set(found) & set(expected)) if found[k] != expected[k]]
 
 
 def read_safely(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
@@ -204,7 +214,7 @@ def load_checkpoint(path: str | Path, signature: dict | None = None, map_locatio
     if bad:
         raise CheckpointError(f"checkpoint {path} is incomplete: {', '.join(bad)}; use another checkpoint of the run")
     if signature is not None:
-        diffs = _compatible(signature, ckpt.get("signature", {}))
+        diffs = signature_differences(signature, ckpt.get("signature", {}))
         if diffs:
             raise CheckpointError(f"checkpoint {path} belongs to another model: " + "; ".join(diffs))
     return ckpt

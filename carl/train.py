@@ -41,7 +41,7 @@ from carl.bundle import BundleError, load_initial_weights
 from carl.cli import Command, quote, run_command
 from carl.config import ConfigError, TrainConfig, check_device, use_bf16
 from carl.eval.during_training import Evaluation, run_benchmark
-from carl.eval.store import headline
+from carl.eval.store import headline, keeps_final
 from carl.factory import make_env
 from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
@@ -379,7 +379,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
                 trained = final_evaluation(evaluation, run_dir, signature, update, global_step)
             if trained:
                 final, best = trained["last"], trained.get("best")
-                if best is None or headline(final) >= headline(best):  # compared on the same final routes
+                if keeps_final(final, best):
                     best_ds = headline(final)
                     checkpoints.save("best.pt", update, global_step, best_ds)
                 checkpoints.save("last.pt", update, global_step, best_ds)
@@ -475,10 +475,9 @@ class TrainCommand(Command):
         if not final.is_file():
             return None
         result = json.loads(final.read_text())
-        if best.is_file():  # the rule of the run's end: the periodic best only where it scored higher (headline)
+        if best.is_file():  # the rule of the run's end
             periodic = json.loads(best.read_text())
-            kept = periodic if headline(periodic) > headline(result) else result
-            result["best_driving_score"] = kept["driving_score"]
+            result["best_driving_score"] = (result if keeps_final(result, periodic) else periodic)["driving_score"]
         return result
 
 

@@ -5,10 +5,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from carl import zoo
 import torch
 
+from carl import zoo
 from carl.bundle import BundleError, build_policy, check_bundle, load_initial_weights, load_policy, read_spec
 from carl.cli import load_config
 from carl.eval import EvalError

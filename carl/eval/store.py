@@ -76,6 +76,12 @@ def headline(result: dict[str, Any]) -> float:
     return float(result.get("closed_loop_score", result["driving_score"]))
 
 
+def keeps_final(final: dict[str, Any], periodic_best: dict[str, Any] | None) -> bool:
+    """Whether a run keeps its final policy as best.pt: unless the periodic best scores higher on the same final
+    routes (ties go to the final policy)."""
+    return periodic_best is None or headline(final) >= headline(periodic_best)
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
