@@ -21,6 +21,19 @@ os.environ[TAG_VAR] = SESSION_TAG  # inherited by every process this session sta
 LEFTOVER_TIMEOUT_S = 10.0  # servers get SIGTERM then SIGKILL after a 5 s grace: give them that long to go
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_of_started_processes(tmp_path_factory: pytest.TempPathFactory):
+    """The processes tests start write their temporary files (torchrun's ``torchelastic_*`` log folders, which it
+    does not remove) under this session's pytest folder, not in the machine's /tmp."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmpdir"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_left_behind(request: pytest.FixtureRequest):
     """For modules with ``carla`` tests: no process started during the module survives it."""
