@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
 from envs.maps.routes import plan_route
 from envs.maps.scenarios import ScenarioDef, scenarios_on_route
@@ -381,6 +382,38 @@ def test_training_routes_carry_junction_scenarios_only_where_their_streams_can_c
             right.scenarios = placed
             _, kept = compile_scenarios(graph, [right], torch.device("cpu"))
             assert all(rs.index >= 0 for rs in kept[0]) and len(kept[0]) == len(placed)
+
+
+def test_a_curriculum_route_starts_20_to_60_m_before_one_of_its_scenarios() -> None:
+    """``scenario_start``: the route is cut to begin U(20, 60) m before a scenario's trigger; the scenarios from there
+    on keep their triggers (same route points, indices shifted by the cut), earlier ones are gone; the cut route is
+    the old one's tail."""
+    from envs.sim.scenario_world import start_before_scenario
+
+    graph = junction_map()
+    route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [HALF + ARM - 5, -OFF]]), name="straight")
+    defs = [ScenarioDef(f"c{i}", "ControlLoss", (x, -OFF), 0.0) for i, x in enumerate((-110.0, -90.0, -30.0, 60.0))]
+    route.scenarios = tuple(scenarios_on_route(defs, route.points, "straight"))
+    cum = route.cumulative()
+    rng = np.random.default_rng(0)
+    starts = []
+    for _ in range(40):
+        cut = start_before_scenario(route, rng)
+        i0 = len(route) - len(cut)
+        starts.append(i0)
+        np.testing.assert_array_equal(cut.points, route.points[i0:])
+        # the scenario it leads to lies 20-60 m (1 m points) after the new start, unless the route had less before
+        # it (then the route starts where it did)
+        before = [rs for rs in route.scenarios if rs.index >= i0]
+        assert [rs.defn.name for rs in cut.scenarios] == [rs.defn.name for rs in before]
+        for old, new in zip(before, cut.scenarios):
+            assert new.index == old.index - i0 and new.nearest == old.nearest - i0
+            np.testing.assert_array_equal(cut.points[new.index], route.points[old.index])
+        assert i0 == 0 or any(19.0 <= cum[rs.index] - cum[i0] <= 61.0 for rs in before)
+    # only the first scenario (13 m from the start) leaves the start where it was: 1 pick in 4
+    assert 20 <= sum(i > 0 for i in starts) <= 38
+    with pytest.raises(ConfigError, match=r"env.options.scenario_start=1.5: must be a share in \[0, 1\]"):
+        SimConfig(scenario_start=1.5).validate()
 
 
 @pytest.mark.parametrize("kind, to, removed, kept", [

@@ -69,6 +69,7 @@ class SimConfig:
     scenario_density: float = 0.0  # scenarios per km placed on random (training) routes (longest6 v2 carries ~3.7/km)
     # relative frequency of the six types on random routes (envs.maps.scenarios.SCENARIO_TYPES order; longest6 v2's counts)
     scenario_weights: tuple[float, float, float, float, float, float] = (116.0, 112.0, 80.0, 76.0, 43.0, 2.0)
+    scenario_start: float = 0.0  # share of random routes (with a scenario) cut to start 20-60 m before one of their scenarios: more encounters per sample
     first_route: int = 0  # route_file / eval split: row i starts with route first_route + i (a slice of the file)
     route_stride: int = 0  # ... and then drives + stride, + 2 stride, ...; 0 = num_envs (CARLA workers: the worker count)
     map_ppm: float = 4.0  # resolution of the map raster (off-road, lane lookups, BEV source)
@@ -144,6 +145,7 @@ class SimConfig:
              "give (min, max) metres with 10 <= min <= max")
         need(self.num_routes >= 1, "num_routes", "must be >= 1")
         need(0 <= self.scenario_density <= 50, "scenario_density", "must be in [0, 50] scenarios per km")
+        need(0 <= self.scenario_start <= 1, "scenario_start", "must be a share in [0, 1] (0: routes start where they were drawn)")
         need(len(self.scenario_weights) == 6 and all(w >= 0 for w in self.scenario_weights)
              and sum(self.scenario_weights) > 0, "scenario_weights",
              "give six weights >= 0 with a positive sum (DynamicObjectCrossing, SignalizedJunctionLeftTurn, ControlLoss, "

@@ -607,6 +607,18 @@ def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weight
     return tuple(sorted(out, key=lambda rs: rs.index))
 
 
+def start_before_scenario(route: Route, rng: np.random.Generator, lead_m: tuple[float, float] = (20.0, 60.0)
+                          ) -> Route:
+    """``route`` cut to start U(``lead_m``) m before the trigger of one of its scenarios (uniform among them), with
+    the scenarios from there on: a training curriculum that meets a scenario within seconds of each start, not after
+    hundreds of metres of plain driving (``env.options.scenario_start``)."""
+    pick = route.scenarios[int(rng.integers(len(route.scenarios)))]
+    i0 = max(0, pick.index - int(rng.uniform(*lead_m)))
+    kept = tuple(replace(rs, index=rs.index - i0, last=rs.last - i0, nearest=rs.nearest - i0)
+                 for rs in route.scenarios if rs.kept and rs.index >= i0)
+    return Route(route.name, route.points[i0:], route.lanes[i0:], kept)
+
+
 def _places(kind: int, geo: _RouteGeo, roads: Roads, k: int) -> bool:
     """Whether a junction scenario of ``kind`` triggered 25 m before the junction the route enters at point ``k``
     can be placed (:func:`place_scenario` does not skip it)."""

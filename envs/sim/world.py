@@ -20,7 +20,7 @@ from envs.maps.atlas import build_atlas
 from envs.maps.rasterize import MapRaster, load_or_compile_raster
 from envs.maps.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
 from envs.sim.config import SimConfig
-from envs.sim.scenario_world import ScenarioTables, compile_scenarios, random_route_scenarios
+from envs.sim.scenario_world import ScenarioTables, compile_scenarios, random_route_scenarios, start_before_scenario
 from envs.maps.scenarios import parse_route_scenarios, scenarios_on_route
 
 
@@ -359,7 +359,7 @@ def load_world(cfg: SimConfig, device: torch.device, route_seed: int = 0) -> Wor
     Worlds are immutable, so they are shared between environment objects of the same process.
     """
     key = (cfg.map, cfg.maps, cfg.map_weights, repr(cfg.procedural), cfg.town_seeds, cfg.eval_town_seeds,
-           cfg.route_split, cfg.route_file, cfg.route_scenarios, cfg.scenario_density, cfg.scenario_weights,
+           cfg.route_split, cfg.route_file, cfg.route_scenarios, cfg.scenario_density, cfg.scenario_weights, cfg.scenario_start,
            cfg.route_length, cfg.route_turn_bias, cfg.route_junction_start, cfg.route_lane_changes, cfg.num_routes,
            cfg.map_ppm, cfg.bev_size, cfg.bev_ppm, cfg.bev_ego_from_bottom, str(device), route_seed)
     if key not in _WORLDS:
@@ -393,6 +393,10 @@ def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
     rng = np.random.default_rng([seed, 23])
     for r in routes:
         r.scenarios = random_route_scenarios(graph, r, cfg.scenario_density, cfg.scenario_weights, rng)
+    if cfg.scenario_start > 0:  # its own stream: the banks without it stay as they were
+        lead = np.random.default_rng([seed, 29])
+        routes = [start_before_scenario(r, lead) if r.scenarios and lead.random() < cfg.scenario_start else r
+                  for r in routes]
     return routes
 
 
