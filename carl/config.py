@@ -93,6 +93,13 @@ class PPOConfig:
                                      ge=1)
     bootstrap_truncation: bool = option(False, "bootstrap truncated episodes from their final observation (CaRL: "
                                                "done = terminated OR truncated, no bootstrap)")
+    teacher: str = option("none", "a teacher the policy is also fitted to, beside PPO (behaviour cloning on the "
+                                  "policy's own rollouts): none, or expert (the env backend's rule-based expert, which "
+                                  "reads privileged state)", choices=("none", "expert"))
+    bc_coef: float = option(1.0, "with a teacher: weight of its term (squared error of the policy's mean action to the "
+                                 "teacher's) at the first update", ge=0)
+    bc_until: float = option(0.5, "with a teacher: share of the run over which bc_coef decays linearly to 0 (PPO "
+                                  "alone after it)", gt=0, le=1)
 
 
 @dataclass
@@ -594,6 +601,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         _require(keeps is True, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
                         f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
                         "ppo.bootstrap_truncation=false (CaRL's recipe)")
+    _require(p.teacher == "none" or backend_of(e.name) is not None,
+             f"ppo.teacher={p.teacher} fits the policy to the env backend's rule-based expert, and env.name={e.name!r} "
+             f"is not a backend with one ({', '.join(envs.BACKENDS)}); set ppo.teacher=none")
     if backend_of(e.name) is not None:  # the backend's own checks, on the training and on the evaluation options
         checks.run(envs.check_options, e.name, e.options)
         if e.eval_options:

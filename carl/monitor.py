@@ -143,9 +143,11 @@ def summary_line(update: int, num_updates: int, global_step: int, sps: float, st
         f"DS {_f(stats, 'episode/driving_score')} eps {int(stats.get('episode/count', 0))} | "
         f"pg {_f(stats, 'losses/policy_loss', '{:+.3f}')} v {_f(stats, 'losses/value_loss', '{:.3f}')} "
         f"ent {_f(stats, 'losses/entropy', '{:.2f}')} kl {_f(stats, 'losses/approx_kl', '{:.4f}')} "
-        f"clip {_f(stats, 'losses/clipfrac', '{:.2f}')} ev {_f(stats, 'losses/explained_variance', '{:.2f}')} | "
+        f"clip {_f(stats, 'losses/clipfrac', '{:.2f}')} ev {_f(stats, 'losses/explained_variance', '{:.2f}')}"
+        + (f" bc {_f(stats, 'losses/bc_loss', '{:.3f}')}" if "time/teacher" in stats else "") + " | "
         f"env {_f(stats, 'time/env', '{:.1f}')}s inf {_f(stats, 'time/inference', '{:.1f}')}s "
-        f"upd {_f(stats, 'time/update', '{:.1f}')}s sync {_f(stats, 'time/sync', '{:.1f}')}s"
+        + (f"teacher {_f(stats, 'time/teacher', '{:.1f}')}s " if "time/teacher" in stats else "")
+        + f"upd {_f(stats, 'time/update', '{:.1f}')}s sync {_f(stats, 'time/sync', '{:.1f}')}s"
     )
 
 

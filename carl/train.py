@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+import envs
 from carl import checkpoint as ckpt_lib
 from carl import config
 from carl import sweep
@@ -290,6 +291,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
                     **rank_routes(cfg.env.options, cfg.env.num_envs, ctx.rank, ctx.world_size))
     policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(device)
     signature = policy.signature()
+    teacher = envs.make_expert(cfg.env.name, env) if cfg.ppo.teacher == "expert" else None
     # a resumed run's weights come from its own last.pt
     loaded = load_initial_weights(policy, cfg.init_from) if cfg.init_from and not cfg.resume else None
     cfg.run_dir = str(run_dir)
@@ -307,7 +309,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         raise ConfigError(f"rank {ctx.rank}: {exc}") from None
     timer = PhaseTimer(cuda_sync=device.type == "cuda")
     trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=use_bf16(cfg, device.type == "cuda"),
-                         sync=sync if ctx.distributed else None, ctx=ctx if ctx.distributed else None)
+                         sync=sync if ctx.distributed else None, ctx=ctx if ctx.distributed else None,
+                         teacher=teacher)
     batch = cfg.batch_size * ctx.world_size  # samples per update, all ranks together
     num_updates = max(1, cfg.ppo.total_timesteps // batch)
     how = cfg.parallel.sync

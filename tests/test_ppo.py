@@ -111,3 +111,38 @@ def test_ppo_learns_on_fake_env() -> None:
         trainer.episodes.clear()
     first, last = sum(returns[:3]) / 3, sum(returns[-3:]) / 3
     assert last > first + 2.0, returns
+
+
+def test_a_teacher_pulls_the_mean_action_to_its_own_and_fades_out() -> None:
+    """``ppo.teacher``: the squared error of the Beta mean to the teacher's action (here a constant (0.6, -0.4)) is
+    added with ``bc_coef``, decaying linearly to 0 at ``bc_until`` of the run: with 10 updates and bc_until 0.5 the
+    weight is 4.0 at update 1, 4.0 * (1 - 2/5) = 2.4 at update 3 and 0 from update 6, where the teacher is no longer
+    asked."""
+    torch.manual_seed(0)
+    env = make_fake_env(8, "cpu", seed=0, bev_size=24, bev_channels=3, episode_length=16)
+    policy = CarlPolicy(env.observation_spec)
+    target = torch.tensor([0.6, -0.4])
+    calls = []
+
+    def teacher(obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        calls.append(1)
+        return target.expand(next(iter(obs.values())).shape[0], 2)
+
+    cfg = PPOConfig(num_steps=16, minibatch_size=64, update_epochs=4, learning_rate=3e-3, ent_coef=0.0,
+                    bc_coef=4.0, bc_until=0.5)
+    trainer = PPOTrainer(policy, env, cfg, teacher=teacher)
+    trainer.reset(seed=0)
+    obs = env.reset(seed=1)
+    before = (policy.deterministic_action(obs) - target).abs().max().item()
+    weights, bc = [], []
+    for update in range(1, 11):
+        trainer.set_learning_rate(update, 10)
+        weights.append(trainer.bc_weight)
+        trainer.collect()
+        bc.append(trainer.update()["losses/bc_loss"])
+        if update == 5:
+            after = (policy.deterministic_action(obs) - target).abs().max().item()
+    assert weights[:3] == pytest.approx([4.0, 3.2, 2.4]) and weights[5:] == [0.0] * 5
+    assert len(calls) == 5 * 16  # asked in each rollout step of updates 1-5 only
+    assert before > 0.3 and after < 0.1, (before, after)
+    assert bc[0] > bc[4] > 0 and bc[5:] == [0.0] * 5

@@ -1,4 +1,4 @@
-"""PPO's loss for one (micro-)batch: clipped surrogate, clipped value loss, entropy bonus."""
+"""PPO's loss for one (micro-)batch: clipped surrogate, clipped value loss, entropy bonus; and the teacher's term."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,3 +72,11 @@ def ppo_loss(
     entropy_mean = entropy.mean()
     loss = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
     return LossTerms(loss, policy_loss.detach(), value_loss.detach(), entropy_mean.detach(), clip_frac, old_approx_kl)
+
+
+def bc_loss(alpha: torch.Tensor, beta: torch.Tensor, teacher_action: torch.Tensor) -> torch.Tensor:
+    """Behaviour cloning: squared error, summed over the action dims and averaged over N, of the policy's mean action
+    (the Beta mean on [-1, 1], the action it drives when evaluated) to the teacher's. Bounded, unlike the teacher
+    action's log-likelihood, which is unbounded at the action bounds where an expert often acts (full brake)."""
+    mean = 2.0 * alpha.float() / (alpha.float() + beta.float()) - 1.0
+    return ((mean - teacher_action) ** 2).sum(-1).mean()

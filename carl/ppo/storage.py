@@ -63,6 +63,7 @@ class RolloutStorage:
         self.bootstrap = torch.zeros((T, B), device=device)
         self.alpha = torch.zeros((T, B, action_dim), device=device)  # old distribution, for the analytic KL
         self.beta = torch.zeros((T, B, action_dim), device=device)
+        self.teacher = torch.zeros((T, B, action_dim), device=device)  # a teacher's actions (ppo.teacher), if any
         self.advantages = torch.zeros((T, B), device=device)
         self.returns = torch.zeros((T, B), device=device)
 
@@ -111,4 +112,5 @@ class RolloutStorage:
             "returns": self.returns.reshape(n),
             "alpha": self.alpha.reshape(n, -1),
             "beta": self.beta.reshape(n, -1),
+            "teacher": self.teacher.reshape(n, -1),
         }

@@ -2,7 +2,10 @@
 
 Read top to bottom: :meth:`PPOTrainer.collect` fills :class:`RolloutStorage` with ``num_steps`` steps of every
 env (timed as ``env`` and ``inference``), :meth:`PPOTrainer.update` computes advantages and runs
-``update_epochs`` passes of shuffled minibatches (timed as ``update``). Minibatches larger than memory are split
+``update_epochs`` passes of shuffled minibatches (timed as ``update``). With a teacher (``ppo.teacher``) the rollout
+also stores the teacher's action in each state the policy visited (timed as ``teacher``), and the loss adds the squared
+error of the policy's mean action to it, weighted by ``ppo.bc_coef`` decaying to 0 (behaviour cloning beside PPO, on
+the policy's own states, as Waymo's BC-SAC does for rare safety-critical situations). Minibatches larger than memory are split
 into ``accumulation_steps`` micro-batches whose gradients are summed before one optimiser step; advantage
 normalisation always uses the statistics of the whole minibatch, so the update does not depend on the split.
 """
@@ -16,7 +19,7 @@ import torch
 from carl.config import PPOConfig
 from carl.monitor import EpisodeStats, PhaseTimer
 from carl.policy import CarlPolicy, beta_kl
-from carl.ppo.loss import normalize_advantages, ppo_loss
+from carl.ppo.loss import bc_loss, normalize_advantages, ppo_loss
 from carl.ppo.storage import RolloutStorage
 from envs import api
 from envs.api import BatchedEnv
@@ -27,8 +30,9 @@ if TYPE_CHECKING:
     from carl.parallel import DistContext
 
 # the ``losses/...`` statistics of an update: means over its minibatches
-LOSS_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl", "grad_norm")
+LOSS_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "old_approx_kl", "grad_norm", "bc_loss")
 FrameHook = Callable[[dict[str, torch.Tensor], torch.Tensor], None]  # (obs, done) after each env step
+Teacher = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # obs -> actions [B, A], e.g. the env's expert
 
 
 class PPOTrainer:
@@ -43,11 +47,15 @@ class PPOTrainer:
         bf16: bool = False,
         sync: SyncMethod | None = None,
         ctx: DistContext | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         """With ``sync``/``ctx`` (torchrun), each rank takes ``minibatch_size / world_size`` of every global
         minibatch, advantages are normalised with global statistics and gradients go through ``sync``; without
-        them (one process) the policy is called directly and nothing is synchronised."""
+        them (one process) the policy is called directly and nothing is synchronised. ``teacher``: the actions the
+        behaviour-cloning term fits (``ppo.teacher``); None: PPO alone."""
         self.policy, self.env, self.cfg = policy, env, cfg
+        self.teacher = teacher
+        self.bc_weight = cfg.bc_coef if teacher is not None else 0.0
         self.sync = sync
         self.world_size = ctx.world_size if ctx is not None else 1
         reduce = ((lambda t: ctx.all_reduce_sum(t, "advantage statistics"))
@@ -65,11 +73,14 @@ class PPOTrainer:
 
     # -- learning rate ----------------------------------------------------------------------------------------------
     def set_learning_rate(self, update: int, num_updates: int) -> float:
-        """CaRL's linear schedule: lr = lr0 * (1 - (update - 1) / num_updates), ``update`` counted from 1."""
+        """CaRL's linear schedule: lr = lr0 * (1 - (update - 1) / num_updates), ``update`` counted from 1; with a
+        teacher, its weight decays the same way to 0 at ``bc_until`` of the run."""
         frac = 1.0 - (update - 1.0) / num_updates if self.cfg.anneal_lr else 1.0
         lr = frac * self.cfg.learning_rate
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.teacher is not None:
+            self.bc_weight = self.cfg.bc_coef * max(0.0, 1.0 - (update - 1.0) / (self.cfg.bc_until * num_updates))
         return lr
 
     # -- rollout ----------------------------------------------------------------------------------------------------
@@ -86,6 +97,9 @@ class PPOTrainer:
             with self.timer.phase("inference"), self.autocast():
                 out = self.policy.act(self.next_obs)
             st.insert(t, self.next_obs, out.action, out.log_prob, out.value, out.alpha, out.beta)
+            if self.bc_weight > 0:  # the teacher reads the state these observations came from
+                with self.timer.phase("teacher"):
+                    st.teacher[t].copy_(self.teacher(self.next_obs))
 
             with self.timer.phase("env"):
                 res = self.env.step(out.action)
@@ -160,7 +174,12 @@ class PPOTrainer:
                             batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
                             cfg.ent_coef,
                         )
-                        (terms.loss * weight).backward()
+                        loss = terms.loss
+                        if self.bc_weight > 0:
+                            bc = bc_loss(out.alpha, out.beta, batch["teacher"][micro])
+                            loss = loss + self.bc_weight * bc
+                            sums["bc_loss"] += weight * bc.detach().float()
+                        (loss * weight).backward()
                     with torch.no_grad():
                         kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
                         for name, value in (("policy_loss", terms.policy_loss), ("value_loss", terms.value_loss),

@@ -207,8 +207,7 @@ class Expert:
         threat = meets(cruise, within) & considered  # [B,N]
         # where to wait: the first path point a (non-following) threat sweeps within the cruise horizon
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 1.0  # [B,N]
-        near = (path.unsqueeze(2).unsqueeze(3) - actor_at.unsqueeze(1)).norm(dim=-1)  # [B,K,N,T]
-        sweeps = ((near < clearance.unsqueeze(1).unsqueeze(-1)) & within).any(-1)  # [B,K,N]
+        sweeps = _sweeps(path, actor_at, clearance, within, considered)  # [B,K,N]
         swept = sweeps & (threat & ~follower).unsqueeze(1)
         # into or across a fast scenario stream the ego goes only by a launch, so that the next car, which may
         # appear at the stream's source any time, finds it already through
@@ -241,6 +240,23 @@ class Expert:
                                          | is_sign & ~s.stop_done.unsqueeze(1))
         # IDM halts ~2 m short of an obstacle: aim 1 m past the line point so the centre stops ~3 m before it
         return torch.where(must, (ahead - 1.0).clamp(min=0.0), torch.full_like(to_line, 1e3)).min(1).values
+
+
+def _sweeps(path: Tensor, actor_at: Tensor, clearance: Tensor, within: Tensor, considered: Tensor) -> Tensor:
+    """[B,K,N]: whether considered actor n (``considered`` [B,N]; False for the others, which hold nobody) comes
+    within ``clearance`` [B,N] of path point k ([B,K,2]) at a forecast time ``within`` ([N,T]) allows, its forecast
+    ``actor_at`` [B,N,T,2]. Only the considered actors are measured (every row as many as the row with the most: one
+    host sync), as the distances of all of them to every path point at every time are the expert's largest tensor."""
+    B, K = path.shape[:2]
+    N, T = actor_at.shape[1:3]
+    M = max(1, int(considered.sum(-1).max()))
+    pick = considered.float().topk(M, dim=-1).indices  # [B,M] the considered ones first
+    at = actor_at.gather(1, pick[..., None, None].expand(-1, -1, T, 2))  # [B,M,T,2]
+    near = torch.cdist(path, at.flatten(1, 2), compute_mode="donot_use_mm_for_euclid_dist").view(B, K, M, T)
+    allowed = within.expand(B, N, T).gather(1, pick.unsqueeze(-1).expand(-1, -1, T))  # [B,M,T]
+    hit = ((near < clearance.gather(1, pick)[:, None, :, None]) & allowed.unsqueeze(1)).any(-1)  # [B,K,M]
+    hit &= considered.gather(1, pick).unsqueeze(1)
+    return torch.zeros(B, K, N, dtype=torch.bool, device=path.device).scatter(2, pick.unsqueeze(1).expand(-1, K, -1), hit)
 
 
 def _wait_back(swept: Tensor, a_speed: Tensor, a_yaw: Tensor, path_yaw: Tensor) -> tuple[Tensor, Tensor]:
