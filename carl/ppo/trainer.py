@@ -5,9 +5,9 @@ env (timed as ``env`` and ``inference``), :meth:`PPOTrainer.update` computes adv
 ``update_epochs`` passes of shuffled minibatches (timed as ``update``). With a teacher (``ppo.teacher``) the rollout
 also stores the teacher's action in each state the policy visited (timed as ``teacher``), and the loss adds the squared
 error of the policy's mean action to it, weighted by ``ppo.bc_coef`` decaying to 0 (behaviour cloning beside PPO, on
-the policy's own states, as Waymo's BC-SAC does for rare safety-critical situations). Minibatches larger than memory are split
-into ``accumulation_steps`` micro-batches whose gradients are summed before one optimiser step; advantage
-normalisation always uses the statistics of the whole minibatch, so the update does not depend on the split.
+the policy's own states, as Waymo's BC-SAC does for rare safety-critical situations). Minibatches larger than
+memory are split into ``accumulation_steps`` micro-batches whose gradients are summed before one optimiser step;
+advantage normalisation always uses the statistics of the whole minibatch, so the update does not depend on the split.
 """
 from __future__ import annotations
 

@@ -145,7 +145,8 @@ class SimConfig:
              "give (min, max) metres with 10 <= min <= max")
         need(self.num_routes >= 1, "num_routes", "must be >= 1")
         need(0 <= self.scenario_density <= 50, "scenario_density", "must be in [0, 50] scenarios per km")
-        need(0 <= self.scenario_start <= 1, "scenario_start", "must be a share in [0, 1] (0: routes start where they were drawn)")
+        need(0 <= self.scenario_start <= 1, "scenario_start",
+             "must be a share in [0, 1] (0: routes start where they were drawn)")
         need(len(self.scenario_weights) == 6 and all(w >= 0 for w in self.scenario_weights)
              and sum(self.scenario_weights) > 0, "scenario_weights",
              "give six weights >= 0 with a positive sum (DynamicObjectCrossing, SignalizedJunctionLeftTurn, ControlLoss, "

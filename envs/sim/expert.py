@@ -256,7 +256,8 @@ def _sweeps(path: Tensor, actor_at: Tensor, clearance: Tensor, within: Tensor, c
     allowed = within.expand(B, N, T).gather(1, pick.unsqueeze(-1).expand(-1, -1, T))  # [B,M,T]
     hit = ((near < clearance.gather(1, pick)[:, None, :, None]) & allowed.unsqueeze(1)).any(-1)  # [B,K,M]
     hit &= considered.gather(1, pick).unsqueeze(1)
-    return torch.zeros(B, K, N, dtype=torch.bool, device=path.device).scatter(2, pick.unsqueeze(1).expand(-1, K, -1), hit)
+    out = torch.zeros(B, K, N, dtype=torch.bool, device=path.device)
+    return out.scatter(2, pick.unsqueeze(1).expand(-1, K, -1), hit)
 
 
 def _wait_back(swept: Tensor, a_speed: Tensor, a_yaw: Tensor, path_yaw: Tensor) -> tuple[Tensor, Tensor]:
