@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -44,39 +45,51 @@ def main() -> None:
     bcfg["towns"] = args.towns
     bench, dev = resolve_benchmark(bcfg), torch.device("cpu")
     policy = resolve_policy(args.policy, dev)
-    probes: list[tuple[float, float]] = []
+    probes = []
     for group in bench.groups:
         env = make_group_env(group, group.num_routes, dev, args.seed, policy.env_options())
         try:
-            probes += drive(env, policy.make(env, "sim"), args.seed)
+            probes.append(drive(env, policy.make(env, "sim"), args.seed))
         finally:
             env.close()
-    with_, without = (torch.tensor([x[i] for x in probes]) for i in (0, 1))
-    print(json.dumps({"policy": args.policy, "probe_states": len(probes),
-                      "lon_with_stream": round(float(with_.mean()), 3) if probes else None,
-                      "lon_without_stream": round(float(without.mean()), 3) if probes else None,
-                      "share_differing_by_0.1": round(float((with_ - without).abs().gt(0.1).float().mean()), 3)
-                      if probes else None}))
+    lon = torch.cat(probes)
+    summary = {"policy": args.policy, "probe_states": len(lon)}
+    if len(lon):
+        summary.update(lon_with_stream=round(float(lon[:, 0].mean()), 3),
+                       lon_without_stream=round(float(lon[:, 1].mean()), 3),
+                       share_differing_by_0_1=round(float((lon[:, 0] - lon[:, 1]).abs().gt(0.1).float().mean()), 3))
+    print(json.dumps(summary))
 
 
-def drive(env, act, seed: int) -> list[tuple[float, float]]:  # noqa: ANN001 - SimEnv, policy
-    """Drive every row's route once; print each right turn's line; return the probe states' (lon, lon without)."""
+def drive(env, act, seed: int) -> torch.Tensor:  # noqa: ANN001 - SimEnv, policy
+    """Drive every row's route once; print each right turn's line; return the probe states' longitudinal actions
+    [S, 2] (as observed, and with the stream taken out)."""
     obs = env.reset(seed=seed)
     part = env.scenarios
     tab, v0 = part.tab, part.veh0
-    turns: dict[tuple[int, int], dict] = {}
-    probes = []
+    shape = env.state.scn.status.shape  # [B, K]: each row's scenarios
+    seen, collided = torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool)
+    route = torch.zeros(shape, dtype=torch.long)
+    joined = torch.full((*shape, 4), math.nan)  # at joining: s from activation, speed, m clear behind, m clear ahead
+    probes = [torch.zeros(0, 2)]
     finished = torch.zeros(env.num_envs, dtype=torch.bool)
     for _ in range(env.max_episode_steps):
         s, c = env.state, env.state.scn
-        live = (c.status == LIVE) & (tab.type[c.scn] == RIGHT) & ~finished.unsqueeze(1)  # [B,K]
-        path = tab.path[part._group_scenario(c)[:, 0]]  # the flow group's path [B,P,2] (1 m points)
+        running = ~finished.unsqueeze(1)
+        live = (c.status == LIVE) & (tab.type[c.scn] == RIGHT) & running  # [B,K]
+        route = torch.where(live & ~seen, s.route_id.unsqueeze(1), route)
+        seen |= live
+        collided |= c.collided & seen & running  # the episode's flag, until its row restarts
+        path = tab.path[part.group_scenario(c)[:, 0]]  # the flow group's path [B,P,2] (1 m points)
         d, ego_s = (path - s.ego_xy[:, None]).norm(dim=-1).min(-1)
-        cars, alive = c.act_s[:, 0], c.act_alive[:, 0]
-        gap = cars - ego_s.float().unsqueeze(1)
+        gap = c.act_s[:, 0] - ego_s.float().unsqueeze(1)  # the stream's cars along its path, from the ego
+        alive = c.act_alive[:, 0]
         behind = torch.where(alive & (gap < 0), -gap, torch.full_like(gap, 1e3)).amin(-1)
         ahead = torch.where(alive & (gap >= 0), gap, torch.full_like(gap, 1e3)).amin(-1)
         since = s.t.unsqueeze(1) - c.t_act
+        at = torch.stack((s.ego_speed, behind, ahead), -1).unsqueeze(1).expand(*shape, 3)
+        joins = live & (d < JOIN_M).unsqueeze(1) & joined[..., 0].isnan()
+        joined = torch.where(joins.unsqueeze(-1), torch.cat((since.unsqueeze(-1), at), -1), joined)
         with torch.no_grad():
             action = act(obs)
             waiting = live.any(1) & (torch.where(live, since, -1.0).amax(1) > GREEN_S) & (d > JOIN_M + 1.0) & (
@@ -86,23 +99,19 @@ def drive(env, act, seed: int) -> list[tuple[float, float]]:  # noqa: ANN001 - S
                 s.veh.valid[:, v0:v0 + FLOW_SLOTS] = False
                 blind = act(env.observe(s))
                 s.veh.valid[:, v0:v0 + FLOW_SLOTS] = shown
-                probes += [(float(action[b, 1]), float(blind[b, 1])) for b in waiting.nonzero()[:, 0].tolist()]
-        for b, k in live.nonzero().tolist():
-            turn = turns.setdefault((b, k), {"route": env.route_names[int(s.route_id[b])], "joined_s": None})
-            if turn["joined_s"] is None and float(d[b]) < JOIN_M:
-                turn.update(joined_s=round(float(since[b, k]), 1), speed_mps=round(float(s.ego_speed[b]), 1),
-                            clear_behind_m=round(float(behind[b]), 1), clear_ahead_m=round(float(ahead[b]), 1))
-        for (b, k), turn in turns.items():  # the episode's flag, until its row finishes (and restarts)
-            if not finished[b]:
-                turn["collided"] = bool(c.collided[b, k])
+                probes.append(torch.stack((action[waiting, 1], blind[waiting, 1]), -1))
         res = env.step(action)
         obs = res.obs
         finished |= (res.terminated | res.truncated).cpu()
         if bool(finished.all()):
             break
-    for turn in turns.values():
-        print(json.dumps(turn))
-    return probes
+    keys = ("joined_s", "speed_mps", "clear_behind_m", "clear_ahead_m")
+    for b, k in seen.nonzero().tolist():  # the report, once
+        at_join = {key: round(x, 1) for key, x in zip(keys, joined[b, k].tolist())}
+        print(json.dumps({"route": env.route_names[int(route[b, k])],
+                          **(at_join if not math.isnan(at_join["joined_s"]) else {"joined_s": None}),
+                          "collided": bool(collided[b, k])}))
+    return torch.cat(probes)
 
 
 if __name__ == "__main__":

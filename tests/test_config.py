@@ -230,6 +230,15 @@ def test_bootstrap_truncation_needs_the_final_observations() -> None:
         load_config(["env=nuplan", "ppo.bootstrap_truncation=true"])
 
 
+def test_a_teacher_needs_a_backend_with_an_expert() -> None:
+    """ppo.teacher=expert asks the env backend's rule-based expert: a custom env has none, refused at start with the
+    fix; the simulator has one."""
+    with pytest.raises(ConfigError, match=r"ppo.teacher=expert .* env.name='tests.fake_env:make_fake_env' is not a "
+                                          r"backend with one .*; set ppo.teacher=none"):
+        load_config(["env=custom", "env.name=tests.fake_env:make_fake_env", "ppo.teacher=expert"])
+    assert load_config(["+experiment=quick", "ppo.teacher=expert"]).ppo.teacher == "expert"
+
+
 def test_a_custom_env_without_final_observations_is_named_at_the_first_truncation() -> None:
     from carl.config import PPOConfig
     from carl.policy import CarlPolicy

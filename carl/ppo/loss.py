@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from carl.policy import beta_mean_action
+
 
 @dataclass
 class LossTerms:
@@ -78,5 +80,4 @@ def bc_loss(alpha: torch.Tensor, beta: torch.Tensor, teacher_action: torch.Tenso
     """Behaviour cloning: squared error, summed over the action dims and averaged over N, of the policy's mean action
     (the Beta mean on [-1, 1], the action it drives when evaluated) to the teacher's. Bounded, unlike the teacher
     action's log-likelihood, which is unbounded at the action bounds where an expert often acts (full brake)."""
-    mean = 2.0 * alpha.float() / (alpha.float() + beta.float()) - 1.0
-    return ((mean - teacher_action) ** 2).sum(-1).mean()
+    return ((beta_mean_action(alpha.float(), beta.float()) - teacher_action) ** 2).sum(-1).mean()

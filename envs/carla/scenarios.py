@@ -51,7 +51,7 @@ class CarlaScenarios(RouteScenarios):
     def refresh(self, s: SimState) -> None:
         """CARLA's actor source rewrites every slot from the server's reading: write the scenario actors again."""
         if self.on:
-            self._write(s, self._group_scenario(s.scn))
+            self._write(s, self.group_scenario(s.scn))
 
     def mirror(self, s: SimState) -> None:
         """The state's scenario actors and light overrides onto the server (batch of one)."""
@@ -69,7 +69,7 @@ class CarlaScenarios(RouteScenarios):
     def _slots(self, s: SimState) -> list[tuple[str, int, str, Tensor, Tensor, bool]]:
         """(state group, slot, blueprint kind, xy, yaw, shown) of every scenario slot of row 0."""
         tab, c = self.tab, s.scn
-        g = self._group_scenario(c)[0]
+        g = self.group_scenario(c)[0]
         out = []
         v0, p0, o0 = self.veh0, self.ped0, self.sta0
         for k, group in enumerate(self.slot_group.tolist()):

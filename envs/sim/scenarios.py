@@ -78,7 +78,7 @@ class RouteScenarios(Part):
             timeouts=torch.zeros(B, dtype=torch.long, device=dev))
         if self.on:  # what a fresh episode shows before any activation: the blockers and the waiting cyclist
             self._assign_groups(s)
-            g = self._group_scenario(s.scn)
+            g = self.group_scenario(s.scn)
             self._show_singles(s.scn, g, torch.zeros_like(g, dtype=torch.bool))
             self._write(s, g)
 
@@ -118,7 +118,7 @@ class RouteScenarios(Part):
         c.t_act = torch.where(fire, s.t.unsqueeze(1), c.t_act)
         c.act_m = torch.where(fire, route_m.unsqueeze(1), c.act_m)
         self._assign_groups(s)
-        g = self._group_scenario(c)  # [B,G] table row each group shows
+        g = self.group_scenario(c)  # [B,G] table row each group shows
         live_g = self._group_status(c) == LIVE
         # single actors start by the ego's time to arrival at the conflict point (or its distance)
         d = (tab.c_xy[c.scn] - s.ego_xy.unsqueeze(1)).norm(dim=-1)
@@ -128,7 +128,7 @@ class RouteScenarios(Part):
         self._move(s, g, live_g, dt, route_m)
         self._show_singles(c, g, live_g)
         self._end(s, route_m)
-        self._write(s, self._group_scenario(c))
+        self._write(s, self.group_scenario(c))
 
     def _assign_groups(self, s: SimState) -> None:
         """Each slot group shows its latest live scenario, else its next pending one; an older live one in the same
@@ -146,7 +146,7 @@ class RouteScenarios(Part):
         c.status = torch.where(older, DONE, c.status)
         changed = owner != c.owner
         c.owner = owner
-        row = self._group_scenario(c)
+        row = self.group_scenario(c)
         fresh = changed.unsqueeze(-1)
         c.act_alive = torch.where(fresh, False, c.act_alive)
         c.act_s = torch.where(fresh, 0.0, c.act_s)
@@ -157,7 +157,7 @@ class RouteScenarios(Part):
         """Whether table rows ``g`` are junction flows (the left and right turns' streams of cars)."""
         return (self.tab.type[g] == LEFT) | (self.tab.type[g] == RIGHT)
 
-    def _group_scenario(self, c: ScenarioState) -> Tensor:
+    def group_scenario(self, c: ScenarioState) -> Tensor:
         """[B,G] the table row each slot group shows (the inert row for none)."""
         K = c.status.shape[1]
         row = torch.gather(c.scn, 1, c.owner.clamp(max=K - 1))
@@ -225,7 +225,7 @@ class RouteScenarios(Part):
         [B,G,2], valid [B,G,2]). What a driver who knows the flow's rule and draws must expect from the unseen part of
         the stream (privileged, as the scripted paths: the expert yields to it)."""
         c, tab = s.scn, self.tab
-        g = self._group_scenario(c)
+        g = self.group_scenario(c)
         is_flow = self._is_flow(g)
         valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.hit) & ~c.act_alive.all(-1)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
@@ -329,7 +329,7 @@ class RouteScenarios(Part):
         (privileged: the expert's forecast of actors that ignore the ego): (xy [B,V,T,2], yaw [B,V,T], gone [B,V,T]:
         past the path's end, or not shown), V the scenario vehicle slots in slot order."""
         c, tab = s.scn, self.tab
-        g = self._group_scenario(c)
+        g = self.group_scenario(c)
         is_flow = self._is_flow(g)
         speed = torch.where((self._group_flag(c, c.moving) | is_flow).unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
         along = c.act_s.unsqueeze(-1) + speed.unsqueeze(-1) * taus  # [B,G,F,T]
@@ -358,7 +358,7 @@ class RouteScenarios(Part):
         segments (``ScenarioTables.clear_*``) leave the state; the traffic respawns them elsewhere (never there: this
         runs after each respawn)."""
         c, tab, bg = s.scn, self.tab, self.veh0
-        g = self._group_scenario(c)
+        g = self.group_scenario(c)
         live = (self._group_status(c) == LIVE).unsqueeze(1)  # [B,1,G]
         lane, along = s.veh.lane[:, :bg], s.veh.s[:, :bg]
         jid = self.setup.world.lane_junction_id[lane].unsqueeze(-1)  # [B,A,1]
