@@ -88,6 +88,10 @@ DRIVE = """
                                 bev_size=32, bev_ppm=1.0, bev_ego_from_bottom=10, route_split="eval", num_routes=16,
                                 num_vehicles=8, num_pedestrians=4, **extra))
     w = build_carla_env(cc, sc, rpc, tm, seed=0)  # spawns the hero at route 0's start and traffic, like the evaluator
+    world = w.data.cworld
+    # the leaderboard's 20 Hz, set before the episode: carla's apply_settings ticks the world until two snapshots
+    # carry the new delta (2 ticks here, more on a loaded machine), which would move the traffic after ``ref``
+    s = world.get_settings(); s.fixed_delta_seconds = 0.05; world.apply_settings(s)
     ref = w.reset(seed=0)
     rid = int(w.state.route_id[0]); n = int(w.world.route_n[rid])
     pts = w.world.route_pts[rid, :n].numpy()
@@ -98,19 +102,16 @@ DRIVE = """
     agent.set_global_plan(None, plan)
     agent.world = w.data.cworld  # the evaluator's world (CarlaDataProvider.get_world() under the leaderboard)
     agent.setup(ckpt)
-    world = w.data.cworld
-    s = world.get_settings(); s.fixed_delta_seconds = 0.05; world.apply_settings(s)  # the leaderboard's 20 Hz
+    frame = world.get_snapshot().frame
     hero = w.actors.tracked.ego
     c0 = agent.run_step({}, 0.0)
     obs0 = agent.last_obs
     out = {"control": type(c0).__name__, "keys": sorted(obs0),
            "bev_diff_frac": float((obs0["bev"] != ref["bev"]).float().mean()) if "bev" in ref else 0.0,
            "obs_diff": {k: float((obs0[k].float() - ref[k].float()).abs().max()) for k in ref},
-           "vehicle_cols": ((obs0["vehicles"] - ref["vehicles"]).abs().amax((0, 1)).tolist()
-                            if "vehicles" in ref else []),
            "meas_diff": float((obs0["measurements"] - ref["measurements"]).abs().max()),
            "ped_valid": int(agent.mirror.state.ped.valid.sum()), "veh_valid": int(agent.mirror.state.veh.valid.sum()),
-           "lights_matched": agent.mirror.light_src.matched}
+           "lights_matched": agent.mirror.light_src.matched, "ticks_before_agent": world.get_snapshot().frame - frame}
     acts, t = 1, 0.0
     for k in range(40):
         world.tick(); t += 0.05
@@ -155,15 +156,11 @@ def test_agent_with_a_vector_policy_sees_what_the_env_worker_sees(tmp_path: Path
     geometry = load_policy(ckpt)[1]["vector_geometry"]
     r = _drive(tmp_path, ckpt, {"observation": "vector", "bev": False, "vector": geometry}, 24800)
     assert "bev" not in r["keys"] and "lanes" in r["keys"], r
-    # the map side, the route, the ego and the lights are the worker's (the route re-planned from the sparse plan:
-    # float rounding); the two vehicles are the same ones in the same rows, with the same sizes and lights; their
-    # poses and velocities are read by the agent from the client's actors, not from the worker's state (measured:
-    # 1.3 cm and 0.26 m/s apart): positions within 5 cm, velocities within 0.5 m/s
-    assert max(v for k, v in r["obs_diff"].items() if k != "vehicles") < 1e-4, r
-    cols = dict(zip(("x", "y", "cos", "sin", "vx", "vy", "hl", "hw", "brake", "emergency", "s", "d", "valid"),
-                    r["vehicle_cols"]))
-    assert cols["valid"] == 0.0 and max(cols["x"], cols["y"], cols["s"], cols["d"]) < 0.05, cols
-    assert max(cols["vx"], cols["vy"]) < 0.5 and cols["hl"] == cols["hw"] == 0.0, cols
+    # the agent reads the frame the worker read (no tick between them), from the client's actors rather than the
+    # worker's snapshot: the same vehicles in the same rows with the same poses, sizes and lights; the route is
+    # re-planned from the sparse plan (float rounding)
+    assert r["ticks_before_agent"] == 0, r
+    assert max(r["obs_diff"].values()) < 1e-4, r
     assert r["actions"] == 21 and r["steps"] == 20 and r["veh_valid"] == 2, r
     assert COUNTS["vehicles"] == geometry["vehicles"]
 

@@ -56,6 +56,18 @@ def test_torchrun_train_resume_and_world_size_check(tmp_path: Path) -> None:
     assert single.returncode == 2 and "world size 2" in single.stderr and "world size 1" in single.stderr
 
 
+@pytest.mark.parametrize(("code", "rc", "err"), [(0, 0, ""), (3, 3, ""), (None, 0, ""), ("bad config", 1, "bad config")])
+def test_a_rank_leaves_after_its_exit_handlers_with_its_code(tmp_path: Path, code: object, rc: int, err: str) -> None:
+    """leave_rank: atexit handlers run and buffered output is written before the process leaves with the code."""
+    script = (f"import atexit, pathlib; from carl.parallel.context import leave_rank\n"
+              f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'ran')!r}).write_text('yes'))\n"
+              f"print('buffered', end='')\nleave_rank({code!r})\nprint('never')\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (out.returncode, out.stdout, out.stderr.strip()) == (rc, "buffered", err)
+    assert (tmp_path / "ran").read_text() == "yes"
+
+
 def test_global_minibatch_must_split_evenly() -> None:
     cfg = TrainConfig()
     cfg.ppo.minibatch_size = 10

@@ -10,8 +10,10 @@ hung past ``parallel.timeout_s``) into a :class:`DistributedError` that names th
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
@@ -154,6 +156,23 @@ class DistContext:
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def leave_rank(code: int | str | None) -> None:
+    """End a torchrun rank: the exit handlers run (logging, CARLA servers), then the process leaves without the
+    interpreter's finalisation.
+
+    Why: DDP keeps its process group alive after ``destroy_process_group`` (torch 2.13: the three gloo threads of
+    the group are still running at exit, measured), and a gloo thread that touches a Python object while the
+    interpreter finalises aborts the rank ("terminate called without an active exception"), which torchrun reports
+    as a failed run although training finished and every file was written."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def pick_backend(requested: str, device: torch.device) -> str:
