@@ -46,7 +46,7 @@ from carl.eval.store import headline, keeps_final
 from carl.factory import make_env
 from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summary_line
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
-from carl.parallel.context import leave_rank
+from carl.parallel.context import run_as_rank
 from carl.parallel.launch import check_world
 from carl.policy import describe, make_policy
 from carl.ppo import PPOTrainer
@@ -486,12 +486,7 @@ class TrainCommand(Command):
 
 
 def main(argv: list[str] | None = None) -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        run_command(TrainCommand(), argv)
-    try:
-        run_command(TrainCommand(), argv)
-    except SystemExit as exc:  # a torchrun rank: see leave_rank
-        leave_rank(exc.code)
+    run_as_rank(lambda: run_command(TrainCommand(), argv))
 
 
 if __name__ == "__main__":

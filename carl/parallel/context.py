@@ -175,6 +175,17 @@ def leave_rank(code: int | str | None) -> None:
     os._exit(code or 0)
 
 
+def run_as_rank(command: Callable[[], Any]) -> None:
+    """Run a command; in a torchrun rank (``WORLD_SIZE`` > 1) its exit goes through :func:`leave_rank`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        command()
+        return
+    try:
+        command()
+    except SystemExit as exc:
+        leave_rank(exc.code)
+
+
 def pick_backend(requested: str, device: torch.device) -> str:
     """``auto``: NCCL for CUDA devices, gloo otherwise. Refuse NCCL on CPU."""
     if requested not in BACKENDS:
