@@ -93,6 +93,7 @@ DRIVE = """
     # carry the new delta (2 ticks here, more on a loaded machine), which would move the traffic after ``ref``
     s = world.get_settings(); s.fixed_delta_seconds = 0.05; world.apply_settings(s)
     ref = w.reset(seed=0)
+    frame = world.get_snapshot().frame  # the frame the worker read
     rid = int(w.state.route_id[0]); n = int(w.world.route_n[rid])
     pts = w.world.route_pts[rid, :n].numpy()
     keep = list(range(0, n, 25)) + [n - 1]
@@ -102,7 +103,6 @@ DRIVE = """
     agent.set_global_plan(None, plan)
     agent.world = w.data.cworld  # the evaluator's world (CarlaDataProvider.get_world() under the leaderboard)
     agent.setup(ckpt)
-    frame = world.get_snapshot().frame
     hero = w.actors.tracked.ego
     c0 = agent.run_step({}, 0.0)
     obs0 = agent.last_obs

@@ -58,14 +58,19 @@ def test_torchrun_train_resume_and_world_size_check(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("code", "rc", "err"), [(0, 0, ""), (3, 3, ""), (None, 0, ""), ("bad config", 1, "bad config")])
 def test_a_rank_leaves_after_its_exit_handlers_with_its_code(tmp_path: Path, code: object, rc: int, err: str) -> None:
-    """leave_rank: atexit handlers run and buffered output is written before the process leaves with the code."""
-    script = (f"import atexit, pathlib; from carl.parallel.context import leave_rank\n"
+    """run_as_rank in a torchrun rank (WORLD_SIZE 2): a command's exit runs the atexit handlers and writes buffered
+    output, then leaves with the code without the interpreter's finalisation (an object's ``__del__`` at shutdown
+    never runs); a single process (WORLD_SIZE 1) exits as usual, finalisation included."""
+    script = ("import atexit, pathlib, sys; from carl.parallel.context import run_as_rank\n"
               f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'ran')!r}).write_text('yes'))\n"
-              f"print('buffered', end='')\nleave_rank({code!r})\nprint('never')\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert (out.returncode, out.stdout, out.stderr.strip()) == (rc, "buffered", err)
-    assert (tmp_path / "ran").read_text() == "yes"
+              "class Finalised:\n    def __del__(self): print('finalised', end='')\n"
+              f"keep = Finalised()\nprint('buffered', end='')\nrun_as_rank(lambda: sys.exit({code!r}))\n")
+    for world, tail in (("2", ""), ("1", "finalised")):
+        (tmp_path / "ran").unlink(missing_ok=True)
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": world})
+        assert (out.returncode, out.stdout, out.stderr.strip()) == (rc, "buffered" + tail, err), world
+        assert (tmp_path / "ran").read_text() == "yes"
 
 
 def test_global_minibatch_must_split_evenly() -> None:
