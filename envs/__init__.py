@@ -100,7 +100,12 @@ def merge_options(name: str, base: dict[str, Any], *layers: dict[str, Any]) -> d
 
 def make_env(name: str, num_envs: int, device: "str | torch.device" = "cpu", seed: int = 0, **options: Any
              ) -> "BatchedEnv":
-    """Build ``num_envs`` environments of backend ``name`` on ``device``."""
+    """Build ``num_envs`` environments of backend ``name`` on ``device`` (stepping on the host keeps its freed
+    memory: :mod:`envs.host_memory`)."""
+    if str(device).startswith("cpu"):
+        from envs.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     return load_ref(backend(name).factory)(num_envs, device, seed, **options)
 
 
