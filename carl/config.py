@@ -100,6 +100,8 @@ class PPOConfig:
                                  "teacher's) at the first update", ge=0)
     bc_until: float = option(0.5, "with a teacher: share of the run over which bc_coef decays linearly to 0 (PPO "
                                   "alone after it)", gt=0, le=1)
+    teacher_every: int = option(1, "with a teacher: label every n-th rollout step only (its time / n; the cloning term "
+                                   "averages over the labelled samples of each minibatch)", ge=1)
 
 
 @dataclass

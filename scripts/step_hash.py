@@ -36,6 +36,9 @@ def cases(tmp: str) -> dict:
     return {
         "sim_carl": ("sim", dict(SIM, rules="carl")),
         "sim_leaderboard": ("sim", dict(SIM, rules="leaderboard", route_split="eval")),
+        # the route scenarios at longest6's density and mix, on the training and the held-out routes
+        "sim_scenarios": ("sim", dict(SIM, scenario_density=7.4)),
+        "sim_scenarios_leaderboard": ("sim", dict(SIM, rules="leaderboard", route_split="eval", scenario_density=12.0)),
         "nuplan_carl": ("nuplan", nuplan_options(root, tmp)),
         "nuplan_eval_reactive": ("nuplan", nuplan_options(root, tmp, {"reward": {"mode": "carl_carla"}},
                                                           route_split="eval", reactive=True, score=True)),

@@ -10,6 +10,7 @@ import torch
 from carl.config import PPOConfig
 from carl.policy import CarlPolicy
 from carl.ppo import PPOTrainer, compute_gae
+from carl.ppo.loss import bc_loss
 from tests.fake_env import make_fake_env
 
 
@@ -146,3 +147,32 @@ def test_a_teacher_pulls_the_mean_action_to_its_own_and_fades_out() -> None:
     assert len(calls) == 5 * 16  # asked in each rollout step of updates 1-5 only
     assert before > 0.3 and after < 0.1, (before, after)
     assert bc[0] > bc[4] > 0 and bc[5:] == [0.0] * 5
+
+
+def test_a_teacher_asked_every_nth_step_labels_those_steps_only() -> None:
+    """``ppo.teacher_every=4`` over 16-step rollouts: the teacher is asked at steps 0, 4, 8, 12 (4 calls per
+    rollout), and the cloning term averages over those samples alone. Beta(1, 1) has mean 0.5, the action 0 on
+    [-1, 1]: against teacher actions (1, 0) and (0.5, 0) the squared errors are 1 and 0.25, so with only the first
+    labelled the term is 1.0, with both 0.625, with none 0."""
+    ones = torch.ones(2, 2)
+    actions = torch.tensor([[1.0, 0.0], [0.5, 0.0]])
+    assert bc_loss(ones, ones, actions, torch.tensor([1.0, 0.0])).item() == pytest.approx(1.0)
+    assert bc_loss(ones, ones, actions, torch.tensor([1.0, 1.0])).item() == pytest.approx(0.625)
+    assert bc_loss(ones, ones, actions).item() == pytest.approx(0.625)
+    assert bc_loss(ones, ones, actions, torch.tensor([0.0, 0.0])).item() == 0.0
+
+    env = make_fake_env(8, "cpu", seed=0, bev_size=24, bev_channels=3, episode_length=16)
+    calls = []
+
+    def teacher(obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        calls.append(1)
+        return torch.zeros(next(iter(obs.values())).shape[0], 2)
+
+    cfg = PPOConfig(num_steps=16, minibatch_size=64, update_epochs=1, bc_coef=1.0, bc_until=1.0, teacher_every=4)
+    trainer = PPOTrainer(CarlPolicy(env.observation_spec), env, cfg, teacher=teacher)
+    trainer.reset(seed=0)
+    trainer.set_learning_rate(1, 2)
+    trainer.collect()
+    assert len(calls) == 4
+    assert trainer.storage.labelled[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0] * 4
+    assert trainer.update()["losses/bc_loss"] > 0

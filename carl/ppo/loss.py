@@ -76,8 +76,13 @@ def ppo_loss(
     return LossTerms(loss, policy_loss.detach(), value_loss.detach(), entropy_mean.detach(), clip_frac, old_approx_kl)
 
 
-def bc_loss(alpha: torch.Tensor, beta: torch.Tensor, teacher_action: torch.Tensor) -> torch.Tensor:
-    """Behaviour cloning: squared error, summed over the action dims and averaged over N, of the policy's mean action
-    (the Beta mean on [-1, 1], the action it drives when evaluated) to the teacher's. Bounded, unlike the teacher
-    action's log-likelihood, which is unbounded at the action bounds where an expert often acts (full brake)."""
-    return ((beta_mean_action(alpha.float(), beta.float()) - teacher_action) ** 2).sum(-1).mean()
+def bc_loss(alpha: torch.Tensor, beta: torch.Tensor, teacher_action: torch.Tensor,
+            labelled: torch.Tensor | None = None) -> torch.Tensor:
+    """Behaviour cloning: squared error, summed over the action dims and averaged over the N samples (or over those
+    ``labelled`` [N] marks with 1, 0 when none is), of the policy's mean action (the Beta mean on [-1, 1], the action
+    it drives when evaluated) to the teacher's. Bounded, unlike the teacher action's log-likelihood, which is
+    unbounded at the action bounds where an expert often acts (full brake)."""
+    err = ((beta_mean_action(alpha.float(), beta.float()) - teacher_action) ** 2).sum(-1)
+    if labelled is None:
+        return err.mean()
+    return (err * labelled).sum() / labelled.sum().clamp(min=1.0)

@@ -64,6 +64,7 @@ class RolloutStorage:
         self.alpha = torch.zeros((T, B, action_dim), device=device)  # old distribution, for the analytic KL
         self.beta = torch.zeros((T, B, action_dim), device=device)
         self.teacher = torch.zeros((T, B, action_dim), device=device)  # a teacher's actions (ppo.teacher), if any
+        self.labelled = torch.zeros((T, B), device=device)  # 1 where the teacher labelled the step (ppo.teacher_every)
         self.advantages = torch.zeros((T, B), device=device)
         self.returns = torch.zeros((T, B), device=device)
 
@@ -113,4 +114,5 @@ class RolloutStorage:
             "alpha": self.alpha.reshape(n, -1),
             "beta": self.beta.reshape(n, -1),
             "teacher": self.teacher.reshape(n, -1),
+            "labelled": self.labelled.reshape(n),
         }

@@ -97,7 +97,9 @@ class PPOTrainer:
             with self.timer.phase("inference"), self.autocast():
                 out = self.policy.act(self.next_obs)
             st.insert(t, self.next_obs, out.action, out.log_prob, out.value, out.alpha, out.beta)
-            if self.bc_weight > 0:  # the teacher reads the state these observations came from
+            labelled = self.bc_weight > 0 and t % cfg.teacher_every == 0
+            st.labelled[t].fill_(float(labelled))
+            if labelled:  # the teacher reads the state these observations came from
                 with self.timer.phase("teacher"):
                     st.teacher[t].copy_(self.teacher(self.next_obs))
 
@@ -176,7 +178,7 @@ class PPOTrainer:
                         )
                         loss = terms.loss
                         if self.bc_weight > 0:
-                            bc = bc_loss(out.alpha, out.beta, batch["teacher"][micro])
+                            bc = bc_loss(out.alpha, out.beta, batch["teacher"][micro], batch["labelled"][micro])
                             loss = loss + self.bc_weight * bc
                             sums["bc_loss"] += weight * bc.detach().float()
                         (loss * weight).backward()
