@@ -332,11 +332,13 @@ class RouteScenarios(Part):
         g = self.group_scenario(c)
         is_flow = self._is_flow(g)
         speed = torch.where((self._group_flag(c, c.moving) | is_flow).unsqueeze(-1), c.act_v, torch.zeros_like(c.act_v))
-        along = c.act_s.unsqueeze(-1) + speed.unsqueeze(-1) * taus  # [B,G,F,T]
-        xy, yaw = self._pose(g[..., None, None].expand_as(along), along)
         end = torch.where(is_flow, tab.path_len[g], tab.move_dist[g])  # as _move removes them
-        gone = ~c.act_alive.unsqueeze(-1) | (along >= end[..., None, None])
-        return self._vehicle_slots(xy), self._vehicle_slots(yaw), self._vehicle_slots(gone)
+        # only the actors with a vehicle slot (a quarter of [G, F]) are posed
+        slot = lambda x: self._vehicle_slots(x.unsqueeze(-1).expand_as(c.act_s))  # noqa: E731 - [B,G] -> [B,V]
+        along = self._vehicle_slots(c.act_s).unsqueeze(-1) + self._vehicle_slots(speed).unsqueeze(-1) * taus  # [B,V,T]
+        xy, yaw = self._pose(slot(g).unsqueeze(-1).expand_as(along), along)
+        gone = ~self._vehicle_slots(c.act_alive).unsqueeze(-1) | (along >= slot(end).unsqueeze(-1))
+        return xy, yaw, gone
 
     def _pose(self, g: Tensor, s_along: Tensor) -> tuple[Tensor, Tensor]:
         """Position and heading at arc length ``s_along`` on the paths of table rows ``g`` (1 m points)."""
