@@ -3,8 +3,9 @@
 A CPU step allocates and frees the same few hundred tensors every step (a few KB to a few hundred MB each). glibc's
 defaults hand every block above its mmap threshold (128 KB, raised only as far as the largest block freed so far) to
 the kernel on free, and trim the heap top beyond 128 KB, so the next step maps and zero-fills the same pages again:
-on 2 cores that was 40-45 % of a simulator step (batch 1024, 17.6 -> 9.4 ms per step) and of a PPO update
-(docs/training.md, "Host memory"). Raising both thresholds keeps the pages: the peak resident memory grows by
+on 2 cores up to 45 % of a simulator step (a fresh process at batch 1024: 17.6 -> 9.4 ms per step; a BEV step at
+batch 1024: 228-256 -> 129-159 ms) and of the BEV preset's PPO update (1.61-1.73 -> 0.87-0.94 s; docs/training.md,
+"Host memory"). Raising both thresholds keeps the pages: the peak resident memory grows by
 about the largest step's working set (+47 MB, 6 %, for the quick preset).
 
 Process-wide and idempotent; a no-op outside glibc. ``CARL_KEEP_FREED_MEMORY=0`` leaves the allocator alone.
