@@ -239,6 +239,13 @@ def test_a_teacher_needs_a_backend_with_an_expert() -> None:
     assert load_config(["+experiment=quick", "ppo.teacher=expert"]).ppo.teacher == "expert"
 
 
+def test_ppo_term_off_needs_a_teacher() -> None:
+    """ppo.pg_coef=0 leaves the actor to the teacher's term: without a teacher nothing would train it."""
+    with pytest.raises(ConfigError, match=r"ppo.pg_coef=0.0 turns PPO's policy term off, and with ppo.teacher=none"):
+        load_config(["+experiment=quick", "ppo.pg_coef=0"])
+    assert load_config(["+experiment=quick", "ppo.pg_coef=0", "ppo.teacher=expert"]).ppo.pg_coef == 0.0
+
+
 def test_a_custom_env_without_final_observations_is_named_at_the_first_truncation() -> None:
     from carl.config import PPOConfig
     from carl.policy import CarlPolicy

@@ -10,7 +10,7 @@ import torch
 from carl.config import PPOConfig
 from carl.policy import CarlPolicy
 from carl.ppo import PPOTrainer, compute_gae
-from carl.ppo.loss import bc_loss
+from carl.ppo.loss import bc_loss, ppo_loss
 from tests.fake_env import make_fake_env
 
 
@@ -176,3 +176,19 @@ def test_a_teacher_asked_every_nth_step_labels_those_steps_only() -> None:
     assert len(calls) == 4
     assert trainer.storage.labelled[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0] * 4
     assert trainer.update()["losses/bc_loss"] > 0
+
+
+def test_pg_coef_weights_the_surrogate_alone() -> None:
+    """With ratio 1 (new = old log-probs) the surrogate is -mean(advantages) = -mean(1, -3) = 1.0; the value loss
+    (no clip) 0.5 * mean(1^2, 2^2) = 1.25, weighted 0.5; the entropy 0.5, weighted 0.1. So the loss is 1.0 - 0.05 +
+    0.625 = 1.575 with pg_coef 1 and 0.575 with pg_coef 0 (``ppo.pg_coef=0``: DAgger with a teacher), where the
+    log-probabilities get no gradient at all."""
+    log_prob = torch.zeros(2, requires_grad=True)
+    args = (log_prob, torch.zeros(2), torch.tensor([1.0, -3.0]), torch.tensor([1.0, 2.0]), torch.zeros(2),
+            torch.zeros(2), torch.full((2,), 0.5), 0.1, False, 0.5, 0.1)
+    assert ppo_loss(*args).loss.item() == pytest.approx(1.575)
+    assert ppo_loss(*args, pg_coef=0.5).loss.item() == pytest.approx(1.075)
+    off = ppo_loss(*args, pg_coef=0.0)
+    assert off.loss.item() == pytest.approx(0.575) and off.policy_loss.item() == pytest.approx(1.0)
+    off.loss.backward()
+    assert log_prob.grad.abs().max().item() == 0.0

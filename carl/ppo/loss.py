@@ -52,8 +52,10 @@ def ppo_loss(
     clip_vloss: bool,
     vf_coef: float,
     ent_coef: float,
+    pg_coef: float = 1.0,
 ) -> LossTerms:
-    """All inputs are ``[N]``; ``advantages`` are already normalised if wanted. Means are over N."""
+    """All inputs are ``[N]``; ``advantages`` are already normalised if wanted. Means are over N. ``pg_coef`` weights
+    the clipped surrogate (0 with a teacher: the actor learns from the teacher's term alone, DAgger)."""
     log_ratio = new_log_prob - old_log_prob
     ratio = log_ratio.exp()
     with torch.no_grad():
@@ -72,7 +74,7 @@ def ppo_loss(
         value_loss = 0.5 * ((new_value - returns) ** 2).mean()
 
     entropy_mean = entropy.mean()
-    loss = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
+    loss = pg_coef * policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
     return LossTerms(loss, policy_loss.detach(), value_loss.detach(), entropy_mean.detach(), clip_frac, old_approx_kl)
 
 

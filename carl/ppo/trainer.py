@@ -174,7 +174,7 @@ class PPOTrainer:
                         terms = ppo_loss(
                             out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
                             batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
-                            cfg.ent_coef,
+                            cfg.ent_coef, cfg.pg_coef,
                         )
                         loss = terms.loss
                         if self.bc_weight > 0:
