@@ -96,17 +96,18 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
 
 
 def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
-    """towns_vector_clone changes only the teacher, the cloning schedule, the samples and the right turns' weight
-    (longest6's 76 -> 600), and validates (the sim backend has an expert)."""
+    """towns_vector_clone changes only the teacher, the cloning schedule, the samples, the right turns' weight
+    (longest6's 76 -> 600) and the actors' view (60 -> 120 m), and validates (the sim backend has an expert)."""
     from carl.config import TrainConfig
     from carl.train import train_config
 
     clone = OmegaConf.to_container(compose(["+experiment=towns_vector_clone"]))
     base = OmegaConf.to_container(compose(["+experiment=towns_vector"]))
-    assert clone["ppo"] == {**base["ppo"], "teacher": "expert", "bc_coef": 3.0, "bc_until": 1.0,
+    assert clone["ppo"] == {**base["ppo"], "teacher": "expert", "bc_coef": 3.0, "bc_until": 1.0, "teacher_every": 2,
                             "total_timesteps": 24_000_000}
     weights = base["env"]["options"]["scenario_weights"]
     assert clone["env"]["options"] == {**base["env"]["options"],
-                                       "scenario_weights": [*weights[:3], 600.0, *weights[4:]]}
+                                       "scenario_weights": [*weights[:3], 600.0, *weights[4:]],
+                                       "vector": {**base["env"]["options"]["vector"], "actor_radius": 120.0}}
     assert (clone["model"], clone["env"]["eval_options"]) == (base["model"], base["env"]["eval_options"])
     assert isinstance(train_config(["+experiment=towns_vector_clone"]), TrainConfig)
