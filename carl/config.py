@@ -86,7 +86,8 @@ class PPOConfig:
     clip_coef: float = option(0.1, "PPO's ratio clip", gt=0)
     clip_vloss: bool = option(True, "value clipping, +-clip_coef around the old value (absolute units)")
     pg_coef: float = option(1.0, "weight of PPO's clipped surrogate; 0 with a teacher: the actor learns from the "
-                                 "teacher's term alone (DAgger on the policy's own rollouts; the critic still learns)",
+                                 "teacher's term alone (DAgger on the policy's own rollouts; the critic still learns; needs "
+                                 "ppo.bc_until=1.0)",
                             ge=0)
     vf_coef: float = option(0.5, "value loss weight", ge=0)
     ent_coef: float = option(0.01, "entropy bonus weight", ge=0)
@@ -606,9 +607,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         _require(keeps is True, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
                         f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
                         "ppo.bootstrap_truncation=false (CaRL's recipe)")
-    _require(p.pg_coef > 0 or p.teacher != "none",
-             f"ppo.pg_coef={p.pg_coef} turns PPO's policy term off, and with ppo.teacher=none nothing else trains the "
-             "actor; set ppo.pg_coef > 0 or ppo.teacher=expert")
+    _require(p.pg_coef > 0 or (p.teacher != "none" and p.bc_until == 1.0),
+             f"ppo.pg_coef={p.pg_coef} turns PPO's policy term off, and with ppo.teacher={p.teacher} "
+             f"ppo.bc_until={p.bc_until} nothing trains the actor "
+             + ("at all" if p.teacher == "none" else f"after {p.bc_until:.0%} of the run")
+             + "; set ppo.pg_coef > 0, or ppo.teacher=expert with ppo.bc_until=1.0")
     _require(p.teacher == "none" or backend_of(e.name) is not None,
              f"ppo.teacher={p.teacher} fits the policy to the env backend's rule-based expert, and env.name={e.name!r} "
              f"is not a backend with one ({', '.join(envs.BACKENDS)}); set ppo.teacher=none")

@@ -239,11 +239,16 @@ def test_a_teacher_needs_a_backend_with_an_expert() -> None:
     assert load_config(["+experiment=quick", "ppo.teacher=expert"]).ppo.teacher == "expert"
 
 
-def test_ppo_term_off_needs_a_teacher() -> None:
-    """ppo.pg_coef=0 leaves the actor to the teacher's term: without a teacher nothing would train it."""
-    with pytest.raises(ConfigError, match=r"ppo.pg_coef=0.0 turns PPO's policy term off, and with ppo.teacher=none"):
+def test_ppo_term_off_needs_a_teacher_for_the_whole_run() -> None:
+    """ppo.pg_coef=0 leaves the actor to the teacher's term: without a teacher nothing would train it, and with the
+    teacher's weight reaching 0 at bc_until = 0.5 (the default) nothing would after half the run."""
+    with pytest.raises(ConfigError, match=r"ppo.pg_coef=0.0 .* ppo.teacher=none .* nothing trains the actor at all"):
         load_config(["+experiment=quick", "ppo.pg_coef=0"])
-    assert load_config(["+experiment=quick", "ppo.pg_coef=0", "ppo.teacher=expert"]).ppo.pg_coef == 0.0
+    with pytest.raises(ConfigError, match=r"ppo.bc_until=0.5 nothing trains the actor after 50% of the run; .* "
+                                          r"ppo.teacher=expert with ppo.bc_until=1.0"):
+        load_config(["+experiment=quick", "ppo.pg_coef=0", "ppo.teacher=expert"])
+    assert load_config(["+experiment=quick", "ppo.pg_coef=0", "ppo.teacher=expert",
+                        "ppo.bc_until=1.0"]).ppo.pg_coef == 0.0
 
 
 def test_a_custom_env_without_final_observations_is_named_at_the_first_truncation() -> None:
