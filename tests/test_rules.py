@@ -5,14 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from envs import make_env
+from envs.config import from_dict
+from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
+from envs.maps.routes import Route
 from envs.sim import criteria, infractions
+from envs.sim.config import SimConfig
 from envs.sim.criteria import CriteriaState
 from envs.sim.env import SimEnv
 from envs.sim.expert import Expert
+from envs.sim.world import build_world
 
 SMALL = dict(town_seeds=(0,), num_routes=32, route_length=(150.0, 250.0), bev=False)
 
@@ -97,6 +103,50 @@ def test_stop_sign_coefficient():
     assert ep["episode/infractions/stop_sign"] == 1.0
     assert ep["episode/infractions/outside_lanes"] == 0.0
     assert ep["episode/infraction_score"] == pytest.approx(0.8)
+
+
+def two_lane_approach() -> tuple[LaneGraph, Route]:
+    """Two eastward lanes, A (y = 0) and its left neighbour B (y = 3.5), x 0..200, each ending at a stop line of the
+    same light, then C (x 200..300, y = 3.5) on from B. The route (1 m points) drives A, changes to B at x = 50 (150
+    m before the lines), then B and C."""
+    def line(x0: float, x1: float, y: float) -> np.ndarray:
+        x = np.arange(x0, x1 + 0.5, 1.0)
+        return np.stack([x, np.full_like(x, y)], 1)
+
+    lanes = [Lane(points=line(0, 200, 0.0), width=3.5, left=1), Lane(points=line(0, 200, 3.5), width=3.5, right=0,
+                                                                     successors=[2]),
+             Lane(points=line(200, 300, 3.5), width=3.5)]
+    stops = [StopLine(lane=k, control=CONTROL_LIGHT, light_group=0) for k in (0, 1)]
+    graph = LaneGraph.build("approach", lanes, stops, [LightGroup(junction=0, phase=0, num_phases=2)])
+    xs = np.arange(0, 300, dtype=np.float32)
+    route = Route("r", np.stack([xs, np.where(xs < 50, 0.0, 3.5)], 1).astype(np.float32),
+                  np.where(xs < 50, 0, np.where(xs < 200, 1, 2)).astype(np.int32))
+    return graph, route
+
+
+def test_a_lane_change_off_a_lit_lane_runs_no_light_and_the_line_it_crosses_counts_once():
+    """A route leaves lane A by a lane change 150 m before A's stop line, so it never crosses that line: the red light
+    counts once, where the ego's tail passes B's line (route point 199 at x = 199, B's last point before C), and not at
+    the lane change. The stop lines the observation and the expert see are the same events."""
+    graph, route = two_lane_approach()
+    cfg = from_dict(SimConfig, {"traffic": False, "bev": False, "rules": "leaderboard"}, "env.options").validate()
+    env = SimEnv(cfg, 1, world=build_world(graph, [route], cfg, torch.device("cpu")))
+    assert env.world.route_ev_stop[0][env.world.route_ev_stop[0] >= 0].tolist() == [1]  # B's line only
+    assert env.world.route_ev_idx[0, 0].item() == 199
+    env.reset()
+    env.lights.state = lambda s, group: (torch.where(group >= 0, 2, 0), torch.zeros_like(group, dtype=torch.float))
+    expert = Expert(env)
+    crossings = []
+    for _ in range(400):
+        a = expert(None)
+        a[:, 1] = 0.35  # constant throttle through the red
+        env.step(a)
+        crossings.append((env.state.ego_xy[0, 0].item(), env.running_episodes()["episode/infractions/red_light"][0]))
+        if crossings[-1][0] > 240.0:
+            break
+    assert crossings[-1][0] > 240.0, "the ego must drive past the line"
+    assert max(n for x, n in crossings if x < 195.0) == 0.0  # nothing at the lane change (x = 50) or before the line
+    assert crossings[-1][1] == 1.0
 
 
 def test_a_stopped_ego_that_is_hit_records_nothing():

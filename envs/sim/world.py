@@ -18,7 +18,8 @@ from torch import Tensor
 from envs.maps.lanegraph import LaneGraph, MapError
 from envs.maps.atlas import build_atlas
 from envs.maps.rasterize import MapRaster, load_or_compile_raster
-from envs.maps.routes import Route, RouteError, parse_leaderboard_xml, plan_route, random_routes
+from envs.maps.routes import (MIN_LANE_CHANGE_LENGTH, Route, RouteError, parse_leaderboard_xml, plan_route,
+                              random_routes)
 from envs.sim.config import SimConfig
 from envs.sim.scenario_world import ScenarioTables, compile_scenarios, random_route_scenarios, start_before_scenario
 from envs.maps.scenarios import parse_route_scenarios, scenarios_on_route
@@ -98,6 +99,9 @@ class World:
         return len(self.map_names)
 
 
+# a route crosses a lane's stop line where it leaves the lane within this of the lane's end (route points are ~1 m
+# apart; a lane change leaves a lane at least MIN_LANE_CHANGE_LENGTH before its end, and does not cross its line)
+STOP_LINE_REACH = 0.5 * MIN_LANE_CHANGE_LENGTH
 LOCAL_RADIUS = 120.0  # metres around the ego that background traffic lives in (agents.respawn_vehicles' ``far``)
 
 
@@ -146,7 +150,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     route_cdf = np.cumsum(per_route) / per_route.sum()
     end_pts, end_dir = _stop_line_poses(graph)
     seg_start, seg_end, seg_lane = _lane_segments(graph)
-    rt = _route_tables(routes, lane_stop)
+    rt = _route_tables(routes, lane_stop, graph.points[graph.offsets[1:] - 1])
     scn, route_scenarios = compile_scenarios(graph, routes, device)
 
     t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
@@ -246,10 +250,19 @@ def _lane_segments(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return seg_start, seg_end, seg_lane
 
 
-def _route_tables(routes: list[Route], lane_stop: np.ndarray) -> dict[str, np.ndarray]:
+def _segment_distance(p: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    """Distance from the point ``p`` to the segment a-b."""
+    ab = b - a
+    t = float(np.clip(np.dot(p - a, ab) / max(float(np.dot(ab, ab)), 1e-12), 0.0, 1.0))
+    return float(np.linalg.norm(a + t * ab - p))
+
+
+def _route_tables(routes: list[Route], lane_stop: np.ndarray, lane_end: np.ndarray) -> dict[str, np.ndarray]:
     """The route bank padded to its longest route (by repeating the last point): points, lanes, lengths, arc
-    lengths, and each route's stop-line events (route point index where it leaves a lane with a stop line, the
-    stop line)."""
+    lengths, and each route's stop-line events (the stop line, and the route point index where the route leaves its
+    lane through the line: its step there passes within ``STOP_LINE_REACH`` of the lane's end ``lane_end`` [L, 2]). A route that changes
+    lanes off a lane before its line never crosses that line (lane changes start at least
+    ``MIN_LANE_CHANGE_LENGTH`` before a lane's end); it crosses the line of the lane it changed to."""
     R = max(len(r.points) for r in routes)
     NR = len(routes)
     route_pts = np.zeros((NR, R, 2), np.float32)
@@ -266,7 +279,8 @@ def _route_tables(routes: list[Route], lane_stop: np.ndarray) -> dict[str, np.nd
         route_lane[k, n:] = r.lanes[-1]
         route_n[k] = n
         ev = [(i, int(lane_stop[r.lanes[i]])) for i in range(n - 1)
-              if r.lanes[i] != r.lanes[i + 1] and lane_stop[r.lanes[i]] >= 0]
+              if r.lanes[i] != r.lanes[i + 1] and lane_stop[r.lanes[i]] >= 0
+              and _segment_distance(lane_end[r.lanes[i]], r.points[i], r.points[i + 1]) <= STOP_LINE_REACH]
         events.append(ev)
     E = max(1, max(len(e) for e in events))
     ev_idx = np.full((NR, E), R, np.int64)
