@@ -168,7 +168,7 @@ class _GraphIndex:
     def project_on_lane(self, lane: int, p: np.ndarray) -> tuple[float, float]:
         """(arc length, distance) of the closest point of ``lane``'s centre to ``p``."""
         a, b = self.offsets[lane], self.offsets[lane + 1]
-        s, d = _project_segments(self.pts[a:b - 1], self.pts[a + 1:b], self.point_s[a:b - 1], p)
+        s, d = project_on_segments(self.pts[a:b - 1], self.pts[a + 1:b], self.point_s[a:b - 1], p)
         k = int(np.argmin(d))
         return float(s[k]), float(d[k])
 
@@ -194,7 +194,7 @@ class _GraphIndex:
         starts = starts[self.point_lane[starts] == self.point_lane[starts + 1]]
         if len(starts) == 0:  # isolated points cannot happen (lanes have >= 2 points), kept for safety
             return {}
-        s, d = _project_segments(self.pts[starts], self.pts[starts + 1], self.point_s[starts], p)
+        s, d = project_on_segments(self.pts[starts], self.pts[starts + 1], self.point_s[starts], p)
         lanes = self.point_lane[starts]
         out: dict[int, tuple[float, float]] = {}
         for k in np.argsort(d):
@@ -367,7 +367,7 @@ class _SearchGraph:
         return np.concatenate(out)[:, :self.num_nodes]
 
 
-def _project_segments(a: np.ndarray, b: np.ndarray, s_a: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def project_on_segments(a: np.ndarray, b: np.ndarray, s_a: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Project ``p`` onto segments a->b: (arc length at the foot, distance) per segment."""
     ab = b - a
     ll = np.maximum((ab * ab).sum(1), 1e-12)

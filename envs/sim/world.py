@@ -19,7 +19,7 @@ from envs.maps.lanegraph import LaneGraph, MapError
 from envs.maps.atlas import build_atlas
 from envs.maps.rasterize import MapRaster, load_or_compile_raster
 from envs.maps.routes import (MIN_LANE_CHANGE_LENGTH, Route, RouteError, parse_leaderboard_xml, plan_route,
-                              random_routes)
+                              project_on_segments, random_routes)
 from envs.sim.config import SimConfig
 from envs.sim.scenario_world import ScenarioTables, compile_scenarios, random_route_scenarios, start_before_scenario
 from envs.maps.scenarios import parse_route_scenarios, scenarios_on_route
@@ -250,19 +250,12 @@ def _lane_segments(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return seg_start, seg_end, seg_lane
 
 
-def _segment_distance(p: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
-    """Distance from the point ``p`` to the segment a-b."""
-    ab = b - a
-    t = float(np.clip(np.dot(p - a, ab) / max(float(np.dot(ab, ab)), 1e-12), 0.0, 1.0))
-    return float(np.linalg.norm(a + t * ab - p))
-
-
 def _route_tables(routes: list[Route], lane_stop: np.ndarray, lane_end: np.ndarray) -> dict[str, np.ndarray]:
     """The route bank padded to its longest route (by repeating the last point): points, lanes, lengths, arc
-    lengths, and each route's stop-line events (the stop line, and the route point index where the route leaves its
-    lane through the line: its step there passes within ``STOP_LINE_REACH`` of the lane's end ``lane_end`` [L, 2]). A route that changes
-    lanes off a lane before its line never crosses that line (lane changes start at least
-    ``MIN_LANE_CHANGE_LENGTH`` before a lane's end); it crosses the line of the lane it changed to."""
+    lengths, and each route's stop-line events: the route point index where the route leaves a lane through its
+    stop line (its step off the lane passes within ``STOP_LINE_REACH`` of the lane's end ``lane_end`` [L, 2]), and
+    the stop line. A route that changes lanes off a lane before its line never crosses that line (lane changes start
+    at least ``MIN_LANE_CHANGE_LENGTH`` before a lane's end); it crosses the line of the lane it changed to."""
     R = max(len(r.points) for r in routes)
     NR = len(routes)
     route_pts = np.zeros((NR, R, 2), np.float32)
@@ -278,10 +271,11 @@ def _route_tables(routes: list[Route], lane_stop: np.ndarray, lane_end: np.ndarr
         route_lane[k, :n] = r.lanes
         route_lane[k, n:] = r.lanes[-1]
         route_n[k] = n
-        ev = [(i, int(lane_stop[r.lanes[i]])) for i in range(n - 1)
-              if r.lanes[i] != r.lanes[i + 1] and lane_stop[r.lanes[i]] >= 0
-              and _segment_distance(lane_end[r.lanes[i]], r.points[i], r.points[i + 1]) <= STOP_LINE_REACH]
-        events.append(ev)
+        lanes = np.asarray(r.lanes, np.int64)
+        i = np.nonzero((lanes[:-1] != lanes[1:]) & (lane_stop[lanes[:-1]] >= 0))[0]
+        _, off = project_on_segments(r.points[i], r.points[i + 1], np.zeros(len(i)), lane_end[lanes[i]])
+        i = i[off <= STOP_LINE_REACH]
+        events.append(list(zip(i.tolist(), lane_stop[lanes[i]].tolist())))
     E = max(1, max(len(e) for e in events))
     ev_idx = np.full((NR, E), R, np.int64)
     ev_stop = np.full((NR, E), -1, np.int64)
