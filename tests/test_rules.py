@@ -19,6 +19,7 @@ from envs.sim.criteria import CriteriaState
 from envs.sim.env import SimEnv
 from envs.sim.expert import Expert
 from envs.sim.world import build_world
+from tests.support.roads import straight
 
 SMALL = dict(town_seeds=(0,), num_routes=32, route_length=(150.0, 250.0), bev=False)
 
@@ -109,13 +110,9 @@ def two_lane_approach() -> tuple[LaneGraph, Route]:
     """Two eastward lanes, A (y = 0) and its left neighbour B (y = 3.5), x 0..200, each ending at a stop line of the
     same light, then C (x 200..300, y = 3.5) on from B. The route (1 m points) drives A, changes to B at x = 50 (150
     m before the lines), then B and C."""
-    def line(x0: float, x1: float, y: float) -> np.ndarray:
-        x = np.arange(x0, x1 + 0.5, 1.0)
-        return np.stack([x, np.full_like(x, y)], 1)
-
-    lanes = [Lane(points=line(0, 200, 0.0), width=3.5, left=1), Lane(points=line(0, 200, 3.5), width=3.5, right=0,
-                                                                     successors=[2]),
-             Lane(points=line(200, 300, 3.5), width=3.5)]
+    lanes = [Lane(points=straight(0, 200, 0.0), width=3.5, left=1),
+             Lane(points=straight(0, 200, 3.5), width=3.5, right=0, successors=[2]),
+             Lane(points=straight(200, 300, 3.5), width=3.5)]
     stops = [StopLine(lane=k, control=CONTROL_LIGHT, light_group=0) for k in (0, 1)]
     graph = LaneGraph.build("approach", lanes, stops, [LightGroup(junction=0, phase=0, num_phases=2)])
     xs = np.arange(0, 300, dtype=np.float32)
@@ -127,7 +124,7 @@ def two_lane_approach() -> tuple[LaneGraph, Route]:
 def test_a_lane_change_off_a_lit_lane_runs_no_light_and_the_line_it_crosses_counts_once():
     """A route leaves lane A by a lane change 150 m before A's stop line, so it never crosses that line: the red light
     counts once, where the ego's tail passes B's line (route point 199 at x = 199, B's last point before C), and not at
-    the lane change. The stop lines the observation and the expert see are the same events."""
+    the lane change."""
     graph, route = two_lane_approach()
     cfg = from_dict(SimConfig, {"traffic": False, "bev": False, "rules": "leaderboard"}, "env.options").validate()
     env = SimEnv(cfg, 1, world=build_world(graph, [route], cfg, torch.device("cpu")))

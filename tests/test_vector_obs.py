@@ -21,21 +21,17 @@ from envs.maps.routes import Route
 from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
 from envs.sim.world import build_world
+from tests.support.roads import straight
 
 W = 3.5
 F = {k: {name: i for i, name in enumerate(v)} for k, v in VECTOR_FEATURES.items()}
 
 
-def _line(x0: float, x1: float, y: float) -> np.ndarray:
-    x = np.linspace(x0, x1, int(round(abs(x1 - x0))) + 1)
-    return np.stack([x, np.full_like(x, y)], 1)
-
-
 def road() -> LaneGraph:
-    lanes = [Lane(points=_line(0, 200, 0.0), width=W, left=1),  # A
-             Lane(points=_line(0, 200, W), width=W, right=0, successors=[2]),  # B
-             Lane(points=_line(200, 300, W), width=W),  # C
-             Lane(points=_line(300, 0, 2 * W), width=W)]  # D, oncoming
+    lanes = [Lane(points=straight(0, 200, 0.0), width=W, left=1),  # A
+             Lane(points=straight(0, 200, W), width=W, right=0, successors=[2]),  # B
+             Lane(points=straight(200, 300, W), width=W),  # C
+             Lane(points=straight(300, 0, 2 * W), width=W)]  # D, oncoming
     return LaneGraph.build("road", lanes, [StopLine(lane=1, control=CONTROL_LIGHT, light_group=0)],
                            [LightGroup(junction=0, phase=0, num_phases=2)])
 

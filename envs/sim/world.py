@@ -150,7 +150,7 @@ def build_world(graph: LaneGraph, routes: list[Route], cfg: SimConfig, device: t
     route_cdf = np.cumsum(per_route) / per_route.sum()
     end_pts, end_dir = _stop_line_poses(graph)
     seg_start, seg_end, seg_lane = _lane_segments(graph)
-    rt = _route_tables(routes, lane_stop, graph.points[graph.offsets[1:] - 1])
+    rt = _route_tables(routes, lane_stop, end_pts)
     scn, route_scenarios = compile_scenarios(graph, routes, device)
 
     t = lambda a, dtype=None: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)  # noqa: E731
@@ -250,11 +250,11 @@ def _lane_segments(graph: LaneGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return seg_start, seg_end, seg_lane
 
 
-def _route_tables(routes: list[Route], lane_stop: np.ndarray, lane_end: np.ndarray) -> dict[str, np.ndarray]:
+def _route_tables(routes: list[Route], lane_stop: np.ndarray, stop_xy: np.ndarray) -> dict[str, np.ndarray]:
     """The route bank padded to its longest route (by repeating the last point): points, lanes, lengths, arc
     lengths, and each route's stop-line events: the route point index where the route leaves a lane through its
-    stop line (its step off the lane passes within ``STOP_LINE_REACH`` of the lane's end ``lane_end`` [L, 2]), and
-    the stop line. A route that changes lanes off a lane before its line never crosses that line (lane changes start
+    stop line (its step off the lane passes within ``STOP_LINE_REACH`` of the line's point ``stop_xy`` [S, 2], the
+    lane's end), and the stop line. A route that changes lanes off a lane before its line never crosses that line (lane changes start
     at least ``MIN_LANE_CHANGE_LENGTH`` before a lane's end); it crosses the line of the lane it changed to."""
     R = max(len(r.points) for r in routes)
     NR = len(routes)
@@ -273,9 +273,10 @@ def _route_tables(routes: list[Route], lane_stop: np.ndarray, lane_end: np.ndarr
         route_n[k] = n
         lanes = np.asarray(r.lanes, np.int64)
         i = np.nonzero((lanes[:-1] != lanes[1:]) & (lane_stop[lanes[:-1]] >= 0))[0]
-        _, off = project_on_segments(r.points[i], r.points[i + 1], np.zeros(len(i)), lane_end[lanes[i]])
-        i = i[off <= STOP_LINE_REACH]
-        events.append(list(zip(i.tolist(), lane_stop[lanes[i]].tolist())))
+        stop = lane_stop[lanes[i]]
+        _, off = project_on_segments(r.points[i], r.points[i + 1], np.zeros(len(i)), stop_xy[stop])
+        keep = off <= STOP_LINE_REACH
+        events.append(list(zip(i[keep].tolist(), stop[keep].tolist())))
     E = max(1, max(len(e) for e in events))
     ev_idx = np.full((NR, E), R, np.int64)
     ev_stop = np.full((NR, E), -1, np.int64)
