@@ -50,7 +50,9 @@ class SetEncoder(nn.Module):
         inp = x * self.scale
         if context is not None:
             inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
-        h = torch.where(x[..., -1:] > 0, self.mlp(inp), 0.0)  # ReLU outputs >= 0: padding never wins
+        # ReLU outputs >= 0, so zeroed padding never wins the max; a product, not torch.where: the same values and
+        # gradients, and on CPU several times cheaper (torch.where's CPU kernel branches per element)
+        h = self.mlp(inp) * (x[..., -1:] > 0).to(inp.dtype)
         return h.max(1).values  # (max's backward scatters through its indices: cheaper than amax's)
 
 

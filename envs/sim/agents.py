@@ -67,6 +67,19 @@ def corridor_gap(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs_yaw:
     return gmin, v_lead, cos_rel
 
 
+def corridor_gap_rows(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs_yaw: Tensor, obs_speed: Tensor,
+                      obs_half: Tensor, obs_valid: Tensor, horizon: float = 40.0) -> tuple[Tensor, Tensor]:
+    """:func:`corridor_gap` (gap, obstacle speed) computed only on the rows with a valid obstacle: for obstacles
+    that exist on few rows (the route scenarios' actors). The other rows get a free corridor (``horizon``, 0)."""
+    gap, lead_v = torch.full_like(yaw, horizon), torch.zeros_like(yaw)
+    rows = obs_valid.any(1).nonzero().squeeze(1)  # one host sync
+    if len(rows):
+        g, v, _ = corridor_gap(xy[rows], yaw[rows], half[rows], obs_xy[rows], obs_yaw[rows], obs_speed[rows],
+                               obs_half[rows], obs_valid[rows], horizon)
+        gap[rows], lead_v[rows] = g, v
+    return gap, lead_v
+
+
 @dataclass
 class Vehicles:
     lane: Tensor  # [B,A]
@@ -139,11 +152,13 @@ def spawn_vehicles(world: World, num_envs: int, num: int, ego_xy: Tensor, map_id
 
 
 def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
-                  lights: LightFn, cfg: SimConfig, gen: torch.Generator) -> None:
+                  lights: LightFn, cfg: SimConfig, gen: torch.Generator,
+                  sparse: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
     """IDM along lanes: follow the nearest obstacle in the corridor, stop for red/yellow lights and stop signs.
 
     ``obstacles`` = (xy, yaw, speed, half, valid) of everything else ([B, N]); the first ``A`` entries must be the
-    vehicles themselves (they get the priority rule that prevents junction deadlocks).
+    vehicles themselves (they get the priority rule that prevents junction deadlocks). ``sparse``: more obstacles
+    in the same form, valid on few rows (checked only there; no priority rule), as if appended to ``obstacles``.
     """
     A = veh.lane.shape[1]
     oxy, oyaw, ospeed, ohalf, ovalid = obstacles
@@ -156,6 +171,10 @@ def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, 
     self_mask = torch.eye(A, N, dtype=torch.bool, device=oxy.device)
     ignore = (higher.unsqueeze(0) & crossing) | self_mask.unsqueeze(0)
     gap, lead_v, _ = corridor_gap(veh.xy, veh.yaw, veh.half, oxy, oyaw, ospeed, ohalf, ovalid, ignore=ignore)
+    if sparse is not None:
+        gap2, lead2 = corridor_gap_rows(veh.xy, veh.yaw, veh.half, *sparse)
+        nearer = gap2 < gap
+        gap, lead_v = torch.where(nearer, gap2, gap), torch.where(nearer, lead2, lead_v)
     # traffic control at the end of the current lane
     stop = world.lane_stop[veh.lane]
     has_stop = stop >= 0

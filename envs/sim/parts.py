@@ -244,9 +244,16 @@ class SimTraffic(ActorSource):
         # parked obstacles stand at the kerb, off the lanes: lane-following vehicles never need to stop for them (on
         # curves the straight leader corridor would sweep over them and hold vehicles there for good)
         st = self.setup
-        obs = obstacles(s, st.ego_half, include_ego=True, include_statics=False)
-        veh = self.background(s)
-        agents.step_vehicles(st.world, veh, obs, lights, st.cfg, st.gen)
+        veh, bg, scenario_peds = self.background(s), st.background_vehicles, st.scenario_slots[1]
+        if bg == st.num_vehicles and not scenario_peds:
+            obs, scenario = obstacles(s, st.ego_half, include_ego=True, include_statics=False), None
+        else:  # the route scenarios' actors apart: they are on few rows (agents.step_vehicles)
+            ped = st.num_pedestrians - scenario_peds
+            obs = obstacles(s, st.ego_half, include_ego=True, include_statics=False, vehicles=slice(bg),
+                            pedestrians=slice(ped))
+            scenario = obstacles(s, st.ego_half, include_ego=False, include_statics=False, vehicles=slice(bg, None),
+                                 pedestrians=slice(ped, None))
+        agents.step_vehicles(st.world, veh, obs, lights, st.cfg, st.gen, scenario)
         self.write_back(s, veh)
         agents.step_pedestrians(st.world, s.ped, st.cfg.dt, st.gen)
 

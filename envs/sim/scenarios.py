@@ -201,7 +201,7 @@ class RouteScenarios(Part):
             tab.gap_hi[g] - tab.gap_lo[g]).unsqueeze(-1)
         pos = gaps.cumsum(-1) - gaps[..., :1]  # 0, g1, g1 + g2, ...
         idx = pos.long().clamp(max=tab.path.shape[1] - 1)
-        inside = torch.gather(tab.path_junction[g], 2, idx)
+        inside = tab.path_junction[g.unsqueeze(-1), idx]
         prefill = first & tab.prefill[g]
         fill = prefill.unsqueeze(-1) & (pos < tab.path_len[g].unsqueeze(-1)) & ~inside
         fill[..., 0] |= first & ~tab.prefill[g]
@@ -377,17 +377,22 @@ class RouteScenarios(Part):
         if not self.on:
             return state, yellow_left
         c, tab, w = s.scn, self.tab, self.setup.world
-        live = c.status == LIVE
-        jn = torch.where(live, tab.light_junction[c.scn], -1)  # [B,K]
+        jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]
+        on = jn >= 0
+        J = int(on.sum(1).max())  # one host sync: the most overrides live at once in a row; [B,N,J] below, not [B,N,K]
+        if J == 0:
+            return state, yellow_left
+        k = on.byte().sort(dim=1, descending=True, stable=True).indices[:, :J]  # the live ones first, in scenario order
+        jn, scn = jn.gather(1, k), c.scn.gather(1, k)  # [B,J]
         q = group.clamp(min=0)
         in_j = (w.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
-            jn >= 0).unsqueeze(1)  # [B,N,K]
-        red_phase = (s.t.unsqueeze(1) - c.t_act) < tab.ego_red_s[c.scn]
-        is_ego = group.unsqueeze(-1) == tab.light_ego[c.scn].unsqueeze(1)
-        is_src = group.unsqueeze(-1) == tab.light_src[c.scn].unsqueeze(1)
+            jn >= 0).unsqueeze(1)  # [B,N,J]
+        red_phase = (s.t.unsqueeze(1) - c.t_act.gather(1, k)) < tab.ego_red_s[scn]
+        is_ego = group.unsqueeze(-1) == tab.light_ego[scn].unsqueeze(1)
+        is_src = group.unsqueeze(-1) == tab.light_src[scn].unsqueeze(1)
         forced = torch.where(is_ego, torch.where(red_phase.unsqueeze(1), 2, 0), torch.where(is_src, 0, 2))
         any_j = in_j.any(-1)
-        pick = in_j.float().argmax(-1, keepdim=True)
+        pick = in_j.byte().argmax(-1, keepdim=True)
         new = torch.gather(forced, 2, pick).squeeze(-1)
         return torch.where(any_j, new, state), torch.where(any_j, torch.zeros_like(yellow_left), yellow_left)
 

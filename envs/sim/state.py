@@ -119,16 +119,18 @@ def assign_rows(state, rows: Tensor, fresh) -> None:
             old[rows] = new
 
 
-def obstacles(s: SimState, ego_half: Tensor, include_ego: bool, include_statics: bool = True) -> tuple[Tensor, ...]:
-    """All actors as padded obstacle tensors (xy, yaw, speed, half, valid): vehicles first, then (the ego,)
-    pedestrians, (statics)."""
-    p_half = torch.full_like(s.ped.xy, PEDESTRIAN_HALF)
-    p_speed = torch.where(s.ped.moving, s.ped.speed, torch.zeros_like(s.ped.speed))
-    groups = [(s.veh.xy, s.veh.yaw, s.veh.speed, s.veh.half, s.veh.valid)]
+def obstacles(s: SimState, ego_half: Tensor, include_ego: bool, include_statics: bool = True,
+              vehicles: slice = slice(None), pedestrians: slice = slice(None)) -> tuple[Tensor, ...]:
+    """All actors (or the ``vehicles`` and ``pedestrians`` slots given) as padded obstacle tensors (xy, yaw, speed,
+    half, valid): vehicles first, then (the ego,) pedestrians, (statics)."""
+    v, p = vehicles, pedestrians
+    p_half = torch.full_like(s.ped.xy[:, p], PEDESTRIAN_HALF)
+    p_speed = torch.where(s.ped.moving[:, p], s.ped.speed[:, p], 0.0)
+    groups = [(s.veh.xy[:, v], s.veh.yaw[:, v], s.veh.speed[:, v], s.veh.half[:, v], s.veh.valid[:, v])]
     if include_ego:
         groups.append((s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1),
                        ego_half.unsqueeze(1), torch.ones_like(s.ego_speed, dtype=torch.bool).unsqueeze(1)))
-    groups.append((s.ped.xy, s.ped.yaw, p_speed, p_half, s.ped.valid))
+    groups.append((s.ped.xy[:, p], s.ped.yaw[:, p], p_speed, p_half, s.ped.valid[:, p]))
     if include_statics:
         groups.append((s.statics.xy, s.statics.yaw, torch.zeros_like(s.statics.yaw), s.statics.half,
                        s.statics.valid))
