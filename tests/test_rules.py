@@ -370,6 +370,25 @@ def test_ttc_sees_every_actor():
     assert bool(hit[0])
 
 
+def test_ttc_gathers_every_actor_that_can_reach_the_ego_in_time():
+    """Actors are boxed only if they can reach the ego by the last TTC time; a fast one from far still counts.
+
+    Ego at 8 m/s, half extent (2.45, 1.05); times up to 0.9 s. Row 0: one oncoming car at 25 m/s, 30 m ahead in slot 5
+    (the others empty): the gap 30 - 2.45 - 2.3 = 25.25 m closes at 33 m/s, so the boxes overlap at 0.77 s. Row 1: the
+    same car 40 m ahead (35.25 m at 33 m/s: 1.07 s, too late) and five parked cars beside the road, 6 m to the left."""
+    B, N = 2, 8
+    xy, yaw, speed = torch.zeros(B, N, 2), torch.zeros(B, N), torch.zeros(B, N)
+    valid = torch.zeros(B, N, dtype=torch.bool)
+    xy[0, 5], xy[1, 5] = torch.tensor([30.0, 0.0]), torch.tensor([40.0, 0.0])
+    yaw[:, 5], speed[:, 5], valid[:, 5] = math.pi, 25.0, True
+    xy[1, :5, 0], xy[1, :5, 1], valid[1, :5] = torch.arange(5) * 6.0 - 6.0, 6.0, True
+    half = torch.tensor([2.3, 1.0]).expand(B, N, 2)
+    hit = infractions.ttc_violation(torch.zeros(B, 2), torch.zeros(B), torch.full((B,), 8.0),
+                                    torch.tensor([[2.45, 1.05]]).expand(B, 2), xy, yaw, speed, half, valid,
+                                    (0.1, 0.3, 0.5, 0.7, 0.9))
+    assert hit.tolist() == [True, False]
+
+
 def test_lane_measures_follow_a_width_taper():
     """Lane -1 of tests/data/xodr/width_taper.xodr widens from 3.0 m (x = 0) to 4.5 m (x = 75): the lane-centre factor
     and the outside-lanes rule use the width where the ego is, not one width per lane."""

@@ -467,3 +467,39 @@ def test_same_direction_lanes_reach_both_sides() -> None:
     assert sorted(_same_direction(roads, [1])) == [0, 1, 2]
     assert sorted(_same_direction(roads, [0])) == [0, 1, 2]
     assert sorted(_same_direction(roads, [2, 3])) == [0, 1, 2, 3]
+
+
+def test_background_traffic_sees_the_scenario_actors_as_if_they_were_more_obstacles() -> None:
+    """The traffic checks the scenario actors only on the rows that have any (agents.corridor_gap_rows); its step must
+    be the one it takes with those actors appended to its obstacles."""
+    import copy
+
+    from envs import make_env
+    from envs.sim import agents
+    from envs.sim.state import obstacles
+
+    env = make_env("sim", 64, "cpu", 0, bev=False, traffic=True, num_routes=32, scenario_density=12.0,
+                   town_seeds=(0, 1))
+    env.reset()
+    gen = torch.Generator().manual_seed(0)
+    st, seen = env.setup, 0
+    bg, ped = st.background_vehicles, st.num_pedestrians - st.scenario_slots[1]
+    for _ in range(120):
+        env.step(torch.rand(64, 2, generator=gen) * torch.tensor([0.2, 1.2]) - torch.tensor([0.1, 0.2]))
+        s = env.state
+        scenario = obstacles(s, st.ego_half, include_ego=False, include_statics=False, vehicles=slice(bg, None),
+                             pedestrians=slice(ped, None))
+        if not scenario[-1].any():
+            continue
+        seen += int(scenario[-1].any(1).sum())
+        base = obstacles(s, st.ego_half, include_ego=True, include_statics=False, vehicles=slice(bg),
+                         pedestrians=slice(ped))
+        lights = env.light_lookup(s)
+        veh = env.actors.background(s)
+        sparse, dense = copy.deepcopy(veh), copy.deepcopy(veh)
+        agents.step_vehicles(st.world, sparse, base, lights, st.cfg, torch.Generator().manual_seed(1), scenario)
+        agents.step_vehicles(st.world, dense, tuple(torch.cat(x, 1) for x in zip(base, scenario)), lights, st.cfg,
+                             torch.Generator().manual_seed(1))
+        for f in ("speed", "s", "lane", "lights"):
+            assert torch.equal(getattr(sparse, f), getattr(dense, f)), f
+    assert seen > 0  # some rows had scenario actors to see
