@@ -176,7 +176,7 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     route metres ``arc`` [B, N]; ``ok`` [B, N])."""
     rx, ry = route[..., 0].contiguous().unsqueeze(1), route[..., 1].contiguous().unsqueeze(1)  # [B, 1, N]
     dx, dy = xy[..., :1] - rx, xy[..., 1:] - ry  # [B, A, N]
-    d = torch.where(ok.unsqueeze(1), dx * dx + dy * dy, math.inf)
+    d = dx * dx + dy * dy + torch.where(ok, 0.0, math.inf).unsqueeze(1)  # [B, 1, N] added: where is slow on CPU
     j = d.argmin(-1)  # [B, A]
     q = torch.gather(route, 1, j.unsqueeze(-1).expand(-1, -1, 4))  # [B, A, 4]
     rel = xy - q[..., :2]
