@@ -102,8 +102,10 @@ class PPOConfig:
                                   "reads privileged state)", choices=("none", "expert"))
     bc_coef: float = option(1.0, "with a teacher: weight of its term (squared error of the policy's mean action to the "
                                  "teacher's) at the first update", ge=0)
-    bc_until: float = option(0.5, "with a teacher: share of the run over which bc_coef decays linearly to 0 (PPO "
-                                  "alone after it)", gt=0, le=1)
+    bc_until: float = option(0.5, "with a teacher: share of the run over which bc_coef decays linearly to "
+                                  "bc_coef x bc_final (PPO alone after it when bc_final is 0)", gt=0, le=1)
+    bc_final: float = option(0.0, "with a teacher: its weight from bc_until on, as a share of bc_coef (a floor that "
+                                  "keeps the policy near the teacher to the end of the run)", ge=0, le=1)
     teacher_every: int = option(1, "with a teacher: label every n-th rollout step only (its time / n; the cloning term "
                                    "averages over the labelled samples of each minibatch)", ge=1)
 
@@ -607,11 +609,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
         _require(keeps is True, f"ppo.bootstrap_truncation=true bootstraps truncated episodes from their final observation, "
                         f"which env {e.name!r} keeps only with env.options.{key}=true; set both, or "
                         "ppo.bootstrap_truncation=false (CaRL's recipe)")
-    _require(p.pg_coef > 0 or (p.teacher != "none" and p.bc_until == 1.0),
+    _require(p.pg_coef > 0 or (p.teacher != "none" and (p.bc_until == 1.0 or p.bc_final > 0)),
              f"ppo.pg_coef={p.pg_coef} turns PPO's policy term off, and with ppo.teacher={p.teacher} "
              f"ppo.bc_until={p.bc_until} nothing trains the actor "
              + ("at all" if p.teacher == "none" else f"after {p.bc_until:.0%} of the run")
-             + "; set ppo.pg_coef > 0, or ppo.teacher=expert with ppo.bc_until=1.0")
+             + "; set ppo.pg_coef > 0, or ppo.teacher=expert with ppo.bc_until=1.0 or ppo.bc_final > 0")
     _require(p.teacher == "none" or backend_of(e.name) is not None,
              f"ppo.teacher={p.teacher} fits the policy to the env backend's rule-based expert, and env.name={e.name!r} "
              f"is not a backend with one ({', '.join(envs.BACKENDS)}); set ppo.teacher=none")

@@ -149,6 +149,19 @@ def test_a_teacher_pulls_the_mean_action_to_its_own_and_fades_out() -> None:
     assert bc[0] > bc[4] > 0 and bc[5:] == [0.0] * 5
 
 
+def test_a_teacher_weight_with_a_floor_decays_to_it_and_stays() -> None:
+    """``ppo.bc_final``: the weight decays to bc_coef x bc_final instead of 0. bc_coef 2, bc_until 0.5, bc_final 0.25
+    over 10 updates: 2.0 at update 1, 2 * (0.25 + 0.75 * (1 - 2/5)) = 1.4 at update 3, 0.5 from update 6 on."""
+    env = make_fake_env(2, "cpu", seed=0, bev_size=24, bev_channels=3, episode_length=16)
+    cfg = PPOConfig(num_steps=4, minibatch_size=8, bc_coef=2.0, bc_until=0.5, bc_final=0.25)
+    trainer = PPOTrainer(CarlPolicy(env.observation_spec), env, cfg, teacher=lambda obs: torch.zeros(2, 2))
+    weights = []
+    for update in range(1, 11):
+        trainer.set_learning_rate(update, 10)
+        weights.append(trainer.bc_weight)
+    assert weights[:3] == pytest.approx([2.0, 1.7, 1.4]) and weights[5:] == pytest.approx([0.5] * 5)
+
+
 def test_a_teacher_asked_every_nth_step_labels_those_steps_only() -> None:
     """``ppo.teacher_every=4`` over 16-step rollouts: the teacher is asked at steps 0, 4, 8, 12 (4 calls per
     rollout), and the cloning term averages over those samples alone. Beta(1, 1) has mean 0.5, the action 0 on
