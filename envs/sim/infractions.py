@@ -96,7 +96,7 @@ def ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: 
     distance both can cover, + 0.5 m), gathered first: the others cannot overlap it, and most slots are empty or far.
     """
     reach = (ego_half.norm(dim=-1).unsqueeze(1) + half.norm(dim=-1) + 0.5
-             + (ego_speed.abs().unsqueeze(1) + speed.abs()) * max(times))
+             + (ego_speed.abs().unsqueeze(1) + speed.abs()) * max(times, default=0.0))
     near = valid & ((xy - ego_xy.unsqueeze(1)).norm(dim=-1) <= reach)  # [B, N]
     K = int(near.sum(1).max()) if near.numel() else 0  # one host sync
     if K == 0:
