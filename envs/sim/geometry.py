@@ -13,6 +13,13 @@ def dense(*tensors: Tensor) -> list[Tensor]:
     return [t.contiguous() for t in torch.broadcast_tensors(*tensors)]
 
 
+def true_first(mask: Tensor) -> Tensor:
+    """Per row of ``mask`` [B, N], the indices of its True entries first (in order), cut to the most any row has
+    ([B, K], K possibly 0; one host sync): gathering by them keeps every True entry in K columns instead of N."""
+    k = int(mask.sum(1).max()) if mask.numel() else 0
+    return mask.byte().sort(dim=1, descending=True, stable=True).indices[:, :k]
+
+
 def wrap_angle(a: Tensor) -> Tensor:
     """Wrap to [-pi, pi)."""
     return torch.remainder(a + math.pi, 2 * math.pi) - math.pi

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from envs.maps.rasterize import LAYER_ROAD, LAYER_SHOULDER
-from envs.sim.geometry import boxes_overlap, boxes_overlap_moving, wrap_angle
+from envs.sim.geometry import boxes_overlap, boxes_overlap_moving, true_first, wrap_angle
 from envs.sim.bev_draw import box_fraction_on
 from envs.sim.world import World, lane_lookup
 
@@ -98,11 +98,10 @@ def ttc_violation(ego_xy: Tensor, ego_yaw: Tensor, ego_speed: Tensor, ego_half: 
     reach = (ego_half.norm(dim=-1).unsqueeze(1) + half.norm(dim=-1) + 0.5
              + (ego_speed.abs().unsqueeze(1) + speed.abs()) * max(times, default=0.0))
     near = valid & ((xy - ego_xy.unsqueeze(1)).norm(dim=-1) <= reach)  # [B, N]
-    K = int(near.sum(1).max()) if near.numel() else 0  # one host sync
-    if K == 0:
+    k = true_first(near)  # [B, K]: the near ones first
+    if k.shape[1] == 0:
         return torch.zeros_like(ego_speed, dtype=torch.bool)
-    if K < near.shape[1]:
-        k = near.byte().sort(dim=1, descending=True, stable=True).indices[:, :K]  # [B, K]: the near ones first
+    if k.shape[1] < near.shape[1]:
         xy, half = xy.gather(1, k.unsqueeze(-1).expand(-1, -1, 2)), half.gather(1, k.unsqueeze(-1).expand(-1, -1, 2))
         yaw, speed, near = yaw.gather(1, k), speed.gather(1, k), near.gather(1, k)
     tt = torch.tensor(times, device=ego_xy.device)  # [T]

@@ -245,7 +245,7 @@ class SimTraffic(ActorSource):
         # curves the straight leader corridor would sweep over them and hold vehicles there for good)
         st = self.setup
         veh, bg, scenario_peds = self.background(s), st.background_vehicles, st.scenario_slots[1]
-        if bg == st.num_vehicles and not scenario_peds:
+        if not any(st.scenario_slots[:2]):
             obs, scenario = obstacles(s, st.ego_half, include_ego=True, include_statics=False), None
         else:  # the route scenarios' actors apart: they are on few rows (agents.step_vehicles)
             ped = st.num_pedestrians - scenario_peds

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from envs.api import SCENARIO_OUTCOMES, SCENARIO_TYPES
 from envs.sim.agents import LIGHT_EMERGENCY, corridor_gap, idm_accel, sizes
-from envs.sim.geometry import polyline_pose
+from envs.sim.geometry import polyline_pose, true_first
 from envs.sim.infractions import INFRACTIONS
 from envs.sim.parts import RESPAWN_EVERY, Part
 from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
@@ -378,11 +378,9 @@ class RouteScenarios(Part):
             return state, yellow_left
         c, tab, w = s.scn, self.tab, self.setup.world
         jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]
-        on = jn >= 0
-        J = int(on.sum(1).max())  # one host sync: the most overrides live at once in a row; [B,N,J] below, not [B,N,K]
-        if J == 0:
+        k = true_first(jn >= 0)  # the live overrides first, in scenario order: [B,N,J] below, not [B,N,K]
+        if k.shape[1] == 0:
             return state, yellow_left
-        k = on.byte().sort(dim=1, descending=True, stable=True).indices[:, :J]  # the live ones first, in scenario order
         jn, scn = jn.gather(1, k), c.scn.gather(1, k)  # [B,J]
         q = group.clamp(min=0)
         in_j = (w.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
