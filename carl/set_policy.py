@@ -26,7 +26,6 @@ from envs.api import (OBS_MEASUREMENTS, OBS_PEDESTRIANS, OBS_ROUTE, OBS_STATICS,
 UNIT_SCALES = (("_mps", 0.1), ("_m", 0.05), ("_s", 0.2))  # feature-name suffix -> input scale (first match)
 POOLED_SETS = tuple(k for k in VECTOR_SETS if k != OBS_ROUTE)
 CONDITIONED_SETS = (OBS_VEHICLES, OBS_PEDESTRIANS, OBS_STATICS, OBS_STOPS)  # entities read beside the ego's state
-PACK_BELOW = 0.5  # a set with fewer real entities than this fraction of its slots runs its MLP on those alone
 
 
 def unit_scale(names: tuple[str, ...] | list[str], width: int) -> torch.Tensor:
@@ -48,26 +47,13 @@ class SetEncoder(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        valid = x[..., -1] > 0
-        if _dense_only() or int(valid.sum()) > PACK_BELOW * valid.numel():
-            inp = x * self.scale
-            if context is not None:
-                inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
-            # ReLU outputs >= 0, so zeroed padding never wins the max; a product, not torch.where: the same values and
-            # gradients, and on CPU several times cheaper (torch.where's CPU kernel branches per element)
-            h = self.mlp(inp) * valid.unsqueeze(-1).to(inp.dtype)
-        else:  # mostly padding (the actor sets): run the MLP on the real entities only, zeros elsewhere
-            inp = x[valid] * self.scale
-            if context is not None:
-                inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)[valid]), -1)
-            rows = self.mlp(inp)
-            h = rows.new_zeros(*valid.shape, rows.shape[-1]).index_put_((valid,), rows)
+        inp = x * self.scale
+        if context is not None:
+            inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
+        # ReLU outputs >= 0, so zeroed padding never wins the max; a product, not torch.where: the same values and
+        # gradients, and on CPU several times cheaper (torch.where's CPU kernel branches per element)
+        h = self.mlp(inp) * (x[..., -1:] > 0).to(inp.dtype)
         return h.max(1).values  # (max's backward scatters through its indices: cheaper than amax's)
-
-
-def _dense_only() -> bool:
-    """Tracing and export need shapes that do not depend on the data: there every set takes the padded path."""
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
 class SetPolicy(ActorCritic):

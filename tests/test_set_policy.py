@@ -12,7 +12,6 @@ from carl.bundle import check_bundle, load_policy, observation_layout, random_ob
 from carl.checkpoint import atomic_save, make_checkpoint
 from carl.config import ConfigError, ModelConfig, TrainConfig, validate
 from carl.policy import make_policy
-from carl import set_policy
 from carl.set_policy import SetPolicy, unit_scale
 from envs.api import (MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES,
                       VALUE_MEASUREMENTS, VECTOR_FEATURES, VECTOR_SETS, TensorSpec)
@@ -56,11 +55,8 @@ def test_a_set_is_read_as_a_set() -> None:
             assert torch.allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("pack_below", [0.0, 1.0])
-def test_padding_rows_are_not_read(pack_below: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row whose validity flag is 0 changes nothing, whatever its other features hold: on the padded path
-    (``PACK_BELOW`` 0: every set runs its MLP on all its slots) and on the packed one (1: on the real rows only)."""
-    monkeypatch.setattr(set_policy, "PACK_BELOW", pack_below)
+def test_padding_rows_are_not_read() -> None:
+    """A row whose validity flag is 0 changes nothing, whatever its other features hold."""
     p, obs = policy(), observations()
     want = p(obs)
     garbage = {**obs, OBS_VEHICLES: obs[OBS_VEHICLES].clone()}
@@ -72,31 +68,6 @@ def test_padding_rows_are_not_read(pack_below: float, monkeypatch: pytest.Monkey
     seen[OBS_VEHICLES][:, -1, -1] = 1.0
     seen[OBS_VEHICLES][:, -1, :-1] = 3.0
     assert not torch.allclose(p(seen)[0], want[0])
-
-
-def test_sets_of_mostly_padding_give_the_same_outputs_and_gradients_on_the_packed_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packed path (the MLP on the real rows only, zeros scattered back) is the padded path computed on fewer
-    rows: the same outputs and weight gradients, here with 0-3 real entities of 5 and rows with none at all."""
-    obs = observations(batch=6, seed=3)
-    for key, n in COUNTS.items():
-        if key != "route":
-            real = (torch.arange(n) < torch.tensor([0, 1, 3, 2, 0, 1]).unsqueeze(1)).unsqueeze(-1).float()
-            obs[key] = torch.cat((obs[key][..., :-1], real), -1) * real
-    results = []
-    for pack_below in (0.0, 1.0):
-        monkeypatch.setattr(set_policy, "PACK_BELOW", pack_below)
-        p = policy().train()
-        alpha, beta, value = p(obs)
-        (alpha.sum() + beta.sum() + value.sum()).backward()
-        results.append((alpha, beta, value, [q.grad.clone() for q in p.parameters()]))
-    (*dense, dense_grads), (*packed, packed_grads) = results
-    for a, b in zip(dense, packed):
-        assert torch.allclose(a, b, atol=1e-6)
-    assert len(dense_grads) == len(packed_grads)
-    for a, b in zip(dense_grads, packed_grads):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert any(g.abs().sum() > 0 for g in packed_grads)
 
 
 def test_inputs_are_scaled_by_the_units_in_their_names() -> None:
