@@ -12,7 +12,7 @@ from carl.bundle import check_bundle, load_policy, observation_layout, random_ob
 from carl.checkpoint import atomic_save, make_checkpoint
 from carl.config import ConfigError, ModelConfig, TrainConfig, validate
 from carl.policy import make_policy
-from carl.set_policy import SetPolicy, unit_scale
+from carl.set_policy import SetEncoder, SetPolicy, unit_scale
 from envs.api import (MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES,
                       VALUE_MEASUREMENTS, VECTOR_FEATURES, VECTOR_SETS, TensorSpec)
 
@@ -152,3 +152,54 @@ def test_a_bundle_records_whether_its_policy_reads_the_path_conflicts() -> None:
     on = {"env": {"name": "sim", "options": {"observation": "vector", "vector": {"path_conflicts": True}}}}
     assert vector_geometry(on, shapes)["path_conflicts"] is True
     assert vector_geometry({"env": {"name": "sim", "options": {"observation": "vector"}}}, shapes)["path_conflicts"] is False
+
+
+def _reference_encoding(enc: SetEncoder, x: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
+    """The encoder as the module docstring states it, in plain autograd ops: scaled features (and the context)
+    -> Linear, LayerNorm, ReLU twice per entity -> padding zeroed -> max over the set."""
+    inp = x * enc.scale
+    if context is not None:
+        inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
+    h = inp
+    for linear, norm in ((enc.mlp[0], enc.mlp[1]), (enc.mlp[3], enc.mlp[4])):
+        h = torch.relu(torch.nn.functional.layer_norm(h @ linear.weight.T + linear.bias, norm.normalized_shape,
+                                                      norm.weight, norm.bias, norm.eps))
+    return (h * (x[..., -1:] > 0)).max(1).values
+
+
+@pytest.mark.parametrize("context", [0, 3])
+def test_the_encoder_trains_with_the_gradients_of_its_plain_formula(context: int) -> None:
+    """In training mode the encoder's fused pool gives the values and parameter gradients of the plain formula."""
+    torch.manual_seed(0)
+    enc = SetEncoder(5, 8, torch.rand(5) + 0.5, context).train()
+    x = torch.randn(6, 7, 5)
+    x[..., -1] = (torch.rand(6, 7) > 0.4).float()
+    x[2, :, -1] = 0.0  # an empty set: pools to 0, passes no gradient
+    x = x * x[..., -1:]
+    ctx = torch.randn(6, context) if context else None
+    weights = torch.randn(6, 8)
+    got = enc(x, ctx)
+    (got * weights).sum().backward()
+    grads = [p.grad.clone() for p in enc.parameters()]
+    enc.zero_grad()
+    want = _reference_encoding(enc, x, ctx)
+    (want * weights).sum().backward()
+    assert torch.allclose(got, want.detach(), atol=1e-6)
+    assert torch.equal(got[2], torch.zeros(8))
+    for g, w in zip(grads, enc.parameters()):
+        assert torch.allclose(g, w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pool_splits_the_gradient_between_tied_entities() -> None:
+    """Two identical valid entities tie for the maximum in every feature: each receives half of the gradient that
+    one of them alone receives (amax's rule); a padding row, whatever it holds, receives none."""
+    torch.manual_seed(0)
+    enc = SetEncoder(3, 4, torch.ones(3)).train()
+    pair = torch.tensor([[[0.3, -1.2, 1.0], [0.3, -1.2, 1.0], [5.0, 5.0, 0.0]]], requires_grad=True)
+    enc(pair).sum().backward()
+    alone = pair.detach()[:, :1].clone().requires_grad_(True)
+    enc(alone).sum().backward()
+    assert alone.grad[0, 0, :2].abs().sum() > 0
+    assert torch.allclose(pair.grad[0, 0, :2], alone.grad[0, 0, :2] / 2, atol=1e-7)
+    assert torch.allclose(pair.grad[0, 1, :2], alone.grad[0, 0, :2] / 2, atol=1e-7)
+    assert torch.equal(pair.grad[0, 2], torch.zeros(3))
