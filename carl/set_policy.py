@@ -40,21 +40,22 @@ class _MaskedMaxPool(torch.autograd.Function):
     """``(relu(y) * valid).amax(1)`` for [B, K, E] pre-activations ``y`` and [B, K, 1] 0/1 ``valid``, with a backward
     that needs no indices: the gradient goes to the entries equal to the pooled maximum (split among ties, as amax's
     does), only where that maximum is > 0 (the ReLU's and the mask's gradients are implied by it). On CPU a max with
-    indices over the middle dim costs ~10x ``amax``, and autograd's chain (max's scatter, the mask's mul, the ReLU's
-    threshold) three passes over [B, K, E] where this takes two (docs/training.md, "Throughput")."""
+    indices over the middle dim costs ~10x ``amax``, and autograd's chain (the ReLU, the mask's mul, max's scatter)
+    passes over [B, K, E] three times each way where this passes once forward and twice back (docs/training.md,
+    "Throughput")."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        h = y.clamp_min(0).mul_(valid)
-        pooled = h.amax(1)
+        h = y * valid
+        pooled = h.amax(1).clamp_min_(0)  # max(relu(.)) = relu(max(.)), and padding's 0 is in the max as relu's
         ctx.save_for_backward(h, pooled)
         return pooled
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         h, pooled = ctx.saved_tensors
-        hit = (h == pooled.unsqueeze(1)).to(grad.dtype)
-        share = grad * (pooled > 0) / hit.sum(1)  # every (b, e) has >= 1 hit: the maximum itself
+        hit = torch.eq(h, pooled.unsqueeze(1), out=torch.empty_like(h))  # 0/1 as floats: 2x faster than bool.to()
+        share = grad * (pooled > 0) / hit.sum(1).clamp_min_(1)  # no hit: all < 0 (pooled 0, no gradient)
         return hit.mul_(share.unsqueeze(1)), None
 
 
@@ -69,13 +70,22 @@ class SetEncoder(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        b, k = x.shape[:2]
         inp = x * self.scale
         if context is not None:
-            inp = torch.cat((inp, context.unsqueeze(1).expand(-1, k, -1)), -1)
-        # the MLP of self.mlp (Linear, LayerNorm, ReLU) over [B*K, F] rows, the last ReLU left to the pool. Measured on
-        # CPU: the ReLU's backward on rows takes half its time on [B, K, E]; and a weight transposed to contiguous
-        # makes the first layer's weight gradient x^T g (4x faster than Linear's (g^T x) for F ~ 10)
+            inp = torch.cat((inp, context.unsqueeze(1).expand(-1, x.shape[1], -1)), -1)
+        # ReLU outputs >= 0, so padding zeroed by the mask never wins the max (an empty set pools to 0); a product,
+        # not torch.where: on CPU torch.where with a mixed mask costs ~30x a mul per element (docs/simulator.md)
+        valid = (x[..., -1:] > 0).to(inp.dtype)
+        if self.training and torch.is_grad_enabled():
+            return self._train(inp, valid)
+        return (self.mlp(inp) * valid).amax(1)  # inference and export: plain ops
+
+    def _train(self, inp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The same function for PPO's update, faster to differentiate on CPU (measured, docs/training.md,
+        "Throughput"): self.mlp's layers over [B*K, F] rows (the ReLU's backward takes half its time on [B, K, E]),
+        each weight transposed to contiguous (the first layer's weight gradient becomes x^T g, 4x faster than
+        Linear's (g^T x)^T for F ~ 10), the last ReLU, the mask and the max fused in :class:`_MaskedMaxPool`."""
+        b, k = inp.shape[:2]
         h = inp.reshape(b * k, -1)
         layers = list(self.mlp)
         for i in range(0, len(layers), 3):
@@ -83,12 +93,7 @@ class SetEncoder(nn.Module):
             h = norm(torch.addmm(linear.bias, h, linear.weight.t().contiguous()))
             if i + 3 < len(layers):
                 h = h.relu_()  # in place: the LayerNorm's backward reads its input, not its output
-        # ReLU outputs >= 0, so padding zeroed by the mask never wins the max (an empty set pools to 0); a product,
-        # not torch.where: on CPU torch.where with a mixed mask costs ~30x a mul per element (docs/simulator.md)
-        h, valid = h.view(b, k, -1), (x[..., -1:] > 0).to(h.dtype)
-        if self.training and torch.is_grad_enabled():
-            return _MaskedMaxPool.apply(h, valid)
-        return (torch.relu(h) * valid).amax(1)  # inference and export: the same values with plain ops
+        return _MaskedMaxPool.apply(h.view(b, k, -1), valid.to(h.dtype))
 
 
 class SetPolicy(ActorCritic):

@@ -12,7 +12,7 @@ from carl.bundle import check_bundle, load_policy, observation_layout, random_ob
 from carl.checkpoint import atomic_save, make_checkpoint
 from carl.config import ConfigError, ModelConfig, TrainConfig, validate
 from carl.policy import make_policy
-from carl.set_policy import SetEncoder, SetPolicy, unit_scale
+from carl.set_policy import SetEncoder, SetPolicy, _MaskedMaxPool, unit_scale
 from envs.api import (MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES,
                       VALUE_MEASUREMENTS, VECTOR_FEATURES, VECTOR_SETS, TensorSpec)
 
@@ -203,3 +203,15 @@ def test_the_pool_splits_the_gradient_between_tied_entities() -> None:
     assert torch.allclose(pair.grad[0, 0, :2], alone.grad[0, 0, :2] / 2, atol=1e-7)
     assert torch.allclose(pair.grad[0, 1, :2], alone.grad[0, 0, :2] / 2, atol=1e-7)
     assert torch.equal(pair.grad[0, 2], torch.zeros(3))
+
+
+def test_the_pool_by_hand() -> None:
+    """relu(y) * valid, max over the set, for one set of three entities and three features; the gradient of the sum
+    reaches only the entry that holds a maximum > 0 (split between ties), never padding or a feature whose
+    entries are all negative."""
+    y = torch.tensor([[[-1.0, 2.0, 0.5], [-3.0, 1.0, 0.5], [-0.5, 9.0, 7.0]]], requires_grad=True)
+    valid = torch.tensor([[[1.0], [1.0], [0.0]]])  # the third entity is padding: its 9 and 7 are not read
+    pooled = _MaskedMaxPool.apply(y, valid)
+    assert torch.equal(pooled, torch.tensor([[0.0, 2.0, 0.5]]))
+    pooled.sum().backward()
+    assert torch.equal(y.grad, torch.tensor([[[0.0, 1.0, 0.5], [0.0, 0.0, 0.5], [0.0, 0.0, 0.0]]]))
