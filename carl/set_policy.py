@@ -82,7 +82,7 @@ class SetEncoder(nn.Module):
 
     def _train(self, inp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The same function for PPO's update, faster to differentiate on CPU (measured, docs/training.md,
-        "Throughput"): self.mlp's layers over [B*K, F] rows (the ReLU's backward takes half its time on [B, K, E]),
+        "Throughput"): self.mlp's layers over [B*K, F] rows (there the ReLU's backward takes half its time on [B, K, E]),
         each weight transposed to contiguous (the first layer's weight gradient becomes x^T g, 4x faster than
         Linear's (g^T x)^T for F ~ 10), the last ReLU, the mask and the max fused in :class:`_MaskedMaxPool`."""
         b, k = inp.shape[:2]
