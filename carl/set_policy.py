@@ -77,10 +77,10 @@ class SetEncoder(nn.Module):
         # not torch.where: on CPU torch.where with a mixed mask costs ~30x a mul per element (docs/simulator.md)
         valid = (x[..., -1:] > 0).to(inp.dtype)
         if self.training and torch.is_grad_enabled():
-            return self._train(inp, valid)
+            return self._differentiable(inp, valid)
         return (self.mlp(inp) * valid).amax(1)  # inference and export: plain ops
 
-    def _train(self, inp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _differentiable(self, inp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The same function for PPO's update, faster to differentiate on CPU (measured, docs/training.md,
         "Throughput"): self.mlp's layers over [B*K, F] rows (there the ReLU's backward takes half its time on [B, K, E]),
         each weight transposed to contiguous (the first layer's weight gradient becomes x^T g, 4x faster than
