@@ -87,13 +87,11 @@ class SetEncoder(nn.Module):
         Linear's (g^T x)^T for F ~ 10), the last ReLU, the mask and the max fused in :class:`_MaskedMaxPool`."""
         b, k = inp.shape[:2]
         h = inp.reshape(b * k, -1)
-        layers = list(self.mlp)
-        for i in range(0, len(layers), 3):
-            linear, norm = layers[i], layers[i + 1]
-            h = norm(torch.addmm(linear.bias, h, linear.weight.t().contiguous()))
-            if i + 3 < len(layers):
-                h = h.relu_()  # in place: the LayerNorm's backward reads its input, not its output
-        return _MaskedMaxPool.apply(h.view(b, k, -1), valid.to(h.dtype))
+        for layer in self.mlp[:-1]:  # the last ReLU is the pool's; the others act in place (LayerNorm's backward
+            # reads its input, not its output)
+            h = (torch.addmm(layer.bias, h, layer.weight.t().contiguous()) if isinstance(layer, nn.Linear)
+                 else layer(h))
+        return _MaskedMaxPool.apply(h.view(b, k, -1), valid)
 
 
 class SetPolicy(ActorCritic):
