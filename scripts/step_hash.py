@@ -39,6 +39,9 @@ def cases(tmp: str) -> dict:
         # the route scenarios at longest6's density and mix, on the training and the held-out routes
         "sim_scenarios": ("sim", dict(SIM, scenario_density=7.4)),
         "sim_scenarios_leaderboard": ("sim", dict(SIM, rules="leaderboard", route_split="eval", scenario_density=12.0)),
+        # the vector observation (towns_vector's: with path conflicts) beside the same scenarios
+        "sim_vector": ("sim", dict(SIM, bev=False, observation="vector", vector={"path_conflicts": True},
+                                   scenario_density=7.4)),
         "nuplan_carl": ("nuplan", nuplan_options(root, tmp)),
         "nuplan_eval_reactive": ("nuplan", nuplan_options(root, tmp, {"reward": {"mode": "carl_carla"}},
                                                           route_split="eval", reactive=True, score=True)),

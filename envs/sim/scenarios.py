@@ -52,6 +52,8 @@ class RouteScenarios(Part):
         self.slot_group = self.slot_actor // FLOW_SLOTS
         self.noise_ticks = max(1, round(setup.cfg.dt / LB_TICK))
         self.steps = 0
+        self._overrides_from: tuple[tuple[Tensor, int], ...] = ()  # what _overrides was built from
+        self._overrides_value: tuple[Tensor, ...] = ()
 
     # ------------------------------------------------------------------ fresh episodes
     def reset(self, s: SimState, rows: Tensor) -> None:
@@ -376,23 +378,37 @@ class RouteScenarios(Part):
         is red for ``ego_red_s`` then green, the flow's green, all others red."""
         if not self.on:
             return state, yellow_left
-        c, tab, w = s.scn, self.tab, self.setup.world
-        jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]
-        k = true_first(jn >= 0)  # the live overrides first, in scenario order: [B,N,J] below, not [B,N,K]
-        if k.shape[1] == 0:
+        jn, ego, src, t_act, red_s = self._overrides(s.scn)
+        if jn.shape[1] == 0:
             return state, yellow_left
-        jn, scn = jn.gather(1, k), c.scn.gather(1, k)  # [B,J]
         q = group.clamp(min=0)
-        in_j = (w.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
+        in_j = (self.setup.world.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
             jn >= 0).unsqueeze(1)  # [B,N,J]
-        red_phase = (s.t.unsqueeze(1) - c.t_act.gather(1, k)) < tab.ego_red_s[scn]
-        is_ego = group.unsqueeze(-1) == tab.light_ego[scn].unsqueeze(1)
-        is_src = group.unsqueeze(-1) == tab.light_src[scn].unsqueeze(1)
+        red_phase = (s.t.unsqueeze(1) - t_act) < red_s
+        is_ego = group.unsqueeze(-1) == ego.unsqueeze(1)
+        is_src = group.unsqueeze(-1) == src.unsqueeze(1)
         forced = torch.where(is_ego, torch.where(red_phase.unsqueeze(1), 2, 0), torch.where(is_src, 0, 2))
         any_j = in_j.any(-1)
         pick = in_j.byte().argmax(-1, keepdim=True)
         new = torch.gather(forced, 2, pick).squeeze(-1)
         return torch.where(any_j, new, state), torch.where(any_j, torch.zeros_like(yellow_left), yellow_left)
+
+    def _overrides(self, c: ScenarioState) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The live overrides, first in scenario order ([B, J], not [B, K]): junction, the ego's and the flow's light
+        groups, activation time, how long the ego's light stays red after it. Every light lookup of a step (traffic,
+        rules, observer) shares them: rebuilt only when the scenarios, their status or activation times are other
+        tensors or were written since (the tensors are held, so a new one cannot take an old one's identity)."""
+        sources = (c.scn, c.status, c.t_act)
+        if len(self._overrides_from) != len(sources) or any(
+                t is not held or t._version != version for t, (held, version) in zip(sources, self._overrides_from)):
+            tab = self.tab
+            jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]
+            k = true_first(jn >= 0)  # one host sync and a sort: once per step, not once per lookup
+            scn = c.scn.gather(1, k)
+            self._overrides_value = (jn.gather(1, k), tab.light_ego[scn], tab.light_src[scn],
+                                     c.t_act.gather(1, k), tab.ego_red_s[scn])
+            self._overrides_from = tuple((t, t._version) for t in sources)
+        return self._overrides_value
 
     # ------------------------------------------------------------------ outcomes
     def record(self, s: SimState) -> None:

@@ -166,19 +166,27 @@ def ego_frame(f: Tensor, ego_xy: Tensor, ego_yaw: Tensor, pairs: int) -> Tensor:
 def _within(f: Tensor, radius: float) -> Tensor:
     """Ego-frame features [B, N, F] (x, y first, the validity flag last) with the rows that are not valid or lie
     beyond ``radius`` all zero (their flag too)."""
-    near = f[..., :2].square().sum(-1, keepdim=True) <= radius * radius
+    x, y = f[..., :1], f[..., 1:2]
+    near = x * x + y * y <= radius * radius  # not square().sum(-1): a reduction over a last dim of 2 is 5x slower
     return f * (near & (f[..., -1:] > 0))
 
 
 def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Tensor:
     """Ego-frame points [B, A, 2] in the route's frame: (metres along the route from the ego's route point, metres
     to its left) [B, A, 2], measured from the nearest valid route point (``route`` [B, N, 4]: x, y, cos, sin; its
-    route metres ``arc`` [B, N]; ``ok`` [B, N])."""
-    rx, ry = route[..., 0].contiguous().unsqueeze(1), route[..., 1].contiguous().unsqueeze(1)  # [B, 1, N]
-    dx, dy = xy[..., :1] - rx, xy[..., 1:] - ry  # [B, A, N]
-    d = dx * dx + dy * dy + torch.where(ok, 0.0, math.inf).unsqueeze(1)  # [B, 1, N] added: where is slow on CPU
-    j = d.argmin(-1)  # [B, A]
-    q = torch.gather(route, 1, j.unsqueeze(-1).expand(-1, -1, 4))  # [B, A, 4]
+    route metres ``arc`` [B, N]; ``ok`` [B, N]; of equally near points the first).
+
+    The distances are laid out [N, B, A] and the nearest found by ``amin`` over the first dim and a match, not
+    ``argmin`` over a last dim of N ~ 21: on CPU that reduction is ~10x slower (docs/simulator.md, "Reductions")."""
+    B, N = route.shape[:2]
+    px, py = xy[..., 0].contiguous().unsqueeze(0), xy[..., 1].contiguous().unsqueeze(0)  # [1, B, A]
+    rx, ry = route[..., 0].t().contiguous().unsqueeze(-1), route[..., 1].t().contiguous().unsqueeze(-1)  # [N, B, 1]
+    dx, dy = px - rx, py - ry  # [N, B, A]
+    d = dx.mul_(dx).addcmul_(dy, dy).add_(torch.where(ok, 0.0, math.inf).t().unsqueeze(-1))  # + inf: where is slow
+    hit = torch.eq(d, d.amin(0), out=torch.empty_like(d))  # 0/1 as floats
+    j = N - hit.mul_(torch.arange(N, 0, -1, dtype=d.dtype, device=d.device).view(N, 1, 1)).amax(0).long()  # the first
+    q = route.reshape(B * N, 4).index_select(0, (j + torch.arange(B, device=j.device).unsqueeze(1) * N).view(-1))
+    q = q.view(*j.shape, 4)
     rel = xy - q[..., :2]
     along = torch.gather(arc, 1, j) + rel[..., 0] * q[..., 2] + rel[..., 1] * q[..., 3]
     left = q[..., 2] * rel[..., 1] - q[..., 3] * rel[..., 0]
