@@ -13,7 +13,7 @@ from torch import Tensor
 
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.config import SimConfig
-from envs.sim.geometry import dense, polyline_pose
+from envs.sim.geometry import polyline_pose
 from envs.sim.world import LightFn, World
 
 # IDM parameters (textbook values, urban driving)
@@ -41,30 +41,30 @@ def idm_accel(v: Tensor, v0: Tensor, gap: Tensor, dv: Tensor) -> Tensor:
 
 def corridor_gap(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs_yaw: Tensor, obs_speed: Tensor,
                  obs_half: Tensor, obs_valid: Tensor, horizon: float = 40.0, ignore: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 ) -> tuple[Tensor, Tensor]:
     """Nearest obstacle ahead inside a straight corridor of the actor's width.
 
     xy [B,M,2], yaw [B,M], half [B,M,2]; obstacles [B,N,...]; ``ignore`` [B,M,N] excludes pairs. Returns (gap [B,M],
-    obstacle speed along the actor's heading [B,M], cos of the heading difference [B,M,N]) — gap is ``horizon``
-    when the corridor is free. Written with explicit components: no [B,M,N,2] temporaries, no trigonometry on
-    [B,M,N].
+    obstacle speed along the actor's heading [B,M]) — gap is ``horizon`` when the corridor is free (the speed then
+    that of the first obstacle). Explicit components on broadcast [B,M,1] x [B,1,N] operands: no [B,M,N,2]
+    temporaries, no trigonometry on [B,M,N], and nothing materialised to [B,M,N] first (on CPU, copying the 14
+    operands cost more than the arithmetic on them: docs/simulator.md, "Broadcasts and reductions").
     """
-    c, s, x, y, hl, hw, ox, oy, oc, os_, ohl, ohw, ov, osp = dense(
-        torch.cos(yaw).unsqueeze(2), torch.sin(yaw).unsqueeze(2), xy[..., 0].unsqueeze(2), xy[..., 1].unsqueeze(2),
-        half[..., 0].unsqueeze(2), half[..., 1].unsqueeze(2), obs_xy[..., 0].unsqueeze(1), obs_xy[..., 1].unsqueeze(1),
-        torch.cos(obs_yaw).unsqueeze(1), torch.sin(obs_yaw).unsqueeze(1), obs_half[..., 0].unsqueeze(1),
-        obs_half[..., 1].unsqueeze(1), obs_valid.unsqueeze(1), obs_speed.unsqueeze(1))
-    dx, dy = ox - x, oy - y
+    c, s = torch.cos(yaw).unsqueeze(2), torch.sin(yaw).unsqueeze(2)
+    dx = obs_xy[..., 0].unsqueeze(1) - xy[..., 0].unsqueeze(2)
+    dy = obs_xy[..., 1].unsqueeze(1) - xy[..., 1].unsqueeze(2)
     ahead = dx * c + dy * s
     side = dy * c - dx * s
-    in_corr = (ahead > 0) & (side.abs() < hw + ohw + 0.3) & ov & (ahead < horizon)
+    in_corr = (ahead > 0) & (side.abs() < half[..., 1].unsqueeze(2) + obs_half[..., 1].unsqueeze(1) + 0.3) & \
+        obs_valid.unsqueeze(1) & (ahead < horizon)
     if ignore is not None:
         in_corr &= ~ignore
-    gap = torch.where(in_corr, ahead - hl - ohl, torch.full_like(ahead, horizon))
+    gap = torch.where(in_corr, ahead - half[..., 0].unsqueeze(2) - obs_half[..., 0].unsqueeze(1),
+                      torch.full_like(ahead, horizon))
     gmin, j = gap.min(-1)
-    cos_rel = c * oc + s * os_
-    v_lead = torch.gather(osp * cos_rel, 2, j.unsqueeze(-1)).squeeze(-1)
-    return gmin, v_lead, cos_rel
+    lead_yaw = torch.gather(obs_yaw, 1, j)  # the lead's heading difference only: [B,M], not [B,M,N]
+    cos_rel = c.squeeze(2) * torch.cos(lead_yaw) + s.squeeze(2) * torch.sin(lead_yaw)
+    return gmin, torch.gather(obs_speed, 1, j) * cos_rel
 
 
 def corridor_gap_rows(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs_yaw: Tensor, obs_speed: Tensor,
@@ -74,7 +74,7 @@ def corridor_gap_rows(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs
     gap, lead_v = torch.full_like(yaw, horizon), torch.zeros_like(yaw)
     rows = obs_valid.any(1).nonzero().squeeze(1)  # one host sync
     if len(rows):
-        g, v, _ = corridor_gap(xy[rows], yaw[rows], half[rows], obs_xy[rows], obs_yaw[rows], obs_speed[rows],
+        g, v = corridor_gap(xy[rows], yaw[rows], half[rows], obs_xy[rows], obs_yaw[rows], obs_speed[rows],
                                obs_half[rows], obs_valid[rows], horizon)
         gap[rows], lead_v[rows] = g, v
     return gap, lead_v
@@ -170,7 +170,7 @@ def step_vehicles(world: World, veh: Vehicles, obstacles: tuple[Tensor, Tensor, 
     crossing = torch.cos(oyaw.unsqueeze(1) - veh.yaw.unsqueeze(2)) < math.cos(math.pi / 4)
     self_mask = torch.eye(A, N, dtype=torch.bool, device=oxy.device)
     ignore = (higher.unsqueeze(0) & crossing) | self_mask.unsqueeze(0)
-    gap, lead_v, _ = corridor_gap(veh.xy, veh.yaw, veh.half, oxy, oyaw, ospeed, ohalf, ovalid, ignore=ignore)
+    gap, lead_v = corridor_gap(veh.xy, veh.yaw, veh.half, oxy, oyaw, ospeed, ohalf, ovalid, ignore=ignore)
     if sparse is not None:
         gap2, lead2 = corridor_gap_rows(veh.xy, veh.yaw, veh.half, *sparse)
         nearer = gap2 < gap

@@ -259,7 +259,7 @@ class RouteScenarios(Part):
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
         ego = (s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1), st.ego_half.unsqueeze(1),
                torch.ones(B, 1, dtype=torch.bool, device=st.device))
-        gap, lead_v, _ = corridor_gap(xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2), *ego)
+        gap, lead_v = corridor_gap(xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2), *ego)
         v = c.act_v.view(B, G * F)
         acc = idm_accel(v, self.tab.speed[g].unsqueeze(-1).expand_as(c.act_v).reshape(B, G * F), gap, v - lead_v)
         return (v + acc * dt).clamp(min=0.0).view(B, G, F)
