@@ -7,12 +7,6 @@ import torch
 from torch import Tensor
 
 
-def dense(*tensors: Tensor) -> list[Tensor]:
-    """Broadcast to a common shape and materialise: on CPU, elementwise ops on broadcast (stride-0) operands run
-    several times slower than one copy plus ops on contiguous tensors (measured ~190 us vs 18 + 30 us at 233k)."""
-    return [t.contiguous() for t in torch.broadcast_tensors(*tensors)]
-
-
 def true_first(mask: Tensor) -> Tensor:
     """Per row of ``mask`` [B, N], the indices of its True entries first (in order), cut to the most any row has
     ([B, K], K possibly 0; one host sync): gathering by them keeps every True entry in K columns instead of N."""
@@ -63,9 +57,8 @@ def boxes_overlap(c1: Tensor, yaw1: Tensor, he1: Tensor, c2: Tensor, yaw2: Tenso
     Returns a bool tensor: True where the boxes intersect (touching counts).
     """
     cos1, sin1, cos2, sin2 = torch.cos(yaw1), torch.sin(yaw1), torch.cos(yaw2), torch.sin(yaw2)
-    dx, dy, cos1, sin1, cos2, sin2, l1, w1, l2, w2 = dense(
-        c2[..., 0] - c1[..., 0], c2[..., 1] - c1[..., 1], cos1, sin1, cos2, sin2,
-        he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1])
+    dx, dy = c2[..., 0] - c1[..., 0], c2[..., 1] - c1[..., 1]
+    l1, w1, l2, w2 = he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1]
     # |cos| and |sin| of the relative heading give every projected half-width in closed form
     c = (cos1 * cos2 + sin1 * sin2).abs()
     s = (sin2 * cos1 - cos2 * sin1).abs()
@@ -86,9 +79,9 @@ def boxes_overlap_moving(c1: Tensor, yaw1: Tensor, he1: Tensor, v1: Tensor, c2: 
     centre offset moves, linearly in t, on each axis.
     """
     cos1, sin1, cos2, sin2 = torch.cos(yaw1), torch.sin(yaw1), torch.cos(yaw2), torch.sin(yaw2)
-    dx, dy, vx, vy, cos1, sin1, cos2, sin2, l1, w1, l2, w2 = dense(
-        c2[..., 0] - c1[..., 0], c2[..., 1] - c1[..., 1], v2[..., 0] - v1[..., 0], v2[..., 1] - v1[..., 1],
-        cos1, sin1, cos2, sin2, he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1])
+    dx, dy = c2[..., 0] - c1[..., 0], c2[..., 1] - c1[..., 1]
+    vx, vy = v2[..., 0] - v1[..., 0], v2[..., 1] - v1[..., 1]
+    l1, w1, l2, w2 = he1[..., 0], he1[..., 1], he2[..., 0], he2[..., 1]
     c = (cos1 * cos2 + sin1 * sin2).abs()
     s = (sin2 * cos1 - cos2 * sin1).abs()
     inside = None
