@@ -212,8 +212,8 @@ def path_meeting(xy: Tensor, vel: Tensor, route: Tensor, arc: Tensor, ok: Tensor
     meets = ok.unsqueeze(1) & (miss <= PATH_MEET_M * PATH_MEET_M)
     # earliest, then nearest along the route (metres are < 1e4, so one key orders both)
     key = torch.where(meets, t * 1e4 + arc.clamp(min=0).unsqueeze(1), math.inf)
-    j = key.argmin(-1, keepdim=True)  # [B, A, 1]
-    hit = meets.any(-1)
+    first, j = key.min(-1, keepdim=True)  # [B, A, 1]; not argmin: 2-3x slower on CPU for the same indices
+    hit = torch.isfinite(first.squeeze(-1))  # some sample met
     when = torch.where(hit, torch.gather(t, -1, j).squeeze(-1), PATH_HORIZON_S)
     where = torch.where(hit, torch.gather(arc.unsqueeze(1).expand_as(t), -1, j).squeeze(-1), 0.0)
     return torch.stack((where, when, hit.float()), -1)
