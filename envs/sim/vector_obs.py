@@ -176,8 +176,9 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     to its left) [B, A, 2], measured from the nearest valid route point (``route`` [B, N, 4]: x, y, cos, sin; its
     route metres ``arc`` [B, N]; ``ok`` [B, N]; of equally near points the first).
 
-    The distances are laid out [N, B, A] and the nearest found by ``amin`` over the first dim and a match, not
-    ``argmin`` over a last dim of N ~ 21: on CPU that reduction is ~10x slower (docs/simulator.md, "Reductions")."""
+    The distances are laid out [N, B, A] and the nearest found by ``amin`` over the first dim and a match, not by
+    ``argmin`` over a last dim of N ~ 21: on CPU that reduction alone is ~10x slower (docs/simulator.md, "Broadcasts
+    and reductions")."""
     B, N = route.shape[:2]
     px, py = xy[..., 0].contiguous().unsqueeze(0), xy[..., 1].contiguous().unsqueeze(0)  # [1, B, A]
     rx, ry = route[..., 0].t().contiguous().unsqueeze(-1), route[..., 1].t().contiguous().unsqueeze(-1)  # [N, B, 1]
