@@ -215,6 +215,23 @@ def test_actors_are_placed_along_and_across_the_route_ahead() -> None:
     assert obs[1, f["route_d_m"]].item() == pytest.approx(-1.0, abs=1e-3)
 
 
+def test_route_coordinates_measure_from_the_first_nearest_valid_point() -> None:
+    """route_coordinates on its own: route points (x, y, cos, sin) p0 = (0, 0) heading +x at route metre 0, p1 =
+    (4, 0) heading +y at metre 4, p2 = (8, 0) at metre 8 but not valid.
+    - (2, 1) is as near to p0 as to p1 (squared distance 5): the first counts, s = 0 + 2, d = 1 (from p1 it would
+      be s = 4 + 1, d = 2);
+    - (7, -2) is nearest p2 (5), which is not valid; then p1 (13): rel (3, -2), s = 4 + (-2) = 2, d = -3;
+    - on a row without a valid point, the first point: (3, 1) from p0 -> s = 3, d = 1."""
+    from envs.sim.vector_obs import route_coordinates
+    route = torch.tensor([[0.0, 0.0, 1.0, 0.0], [4.0, 0.0, 0.0, 1.0], [8.0, 0.0, 1.0, 0.0]]).expand(2, 3, 4)
+    arc = torch.tensor([[0.0, 4.0, 8.0]] * 2)
+    ok = torch.tensor([[True, True, False], [False, False, False]])
+    xy = torch.tensor([[[2.0, 1.0], [7.0, -2.0]], [[3.0, 1.0], [3.0, 1.0]]])
+    out = route_coordinates(xy, route, arc, ok)
+    assert out[0].tolist() == [[2.0, 1.0], [2.0, -3.0]]
+    assert out[1, 0].tolist() == [3.0, 1.0]
+
+
 def test_path_conflicts_say_where_and_when_each_moving_actor_meets_the_route() -> None:
     """Ego at route point x = 10 heading east; the route samples every 4 m lie at (10 + 4k, 0), route metres 4k, up
     to the lane change at x = 50. A car at (30, 20) heading south at 10 m/s crosses y = 0 at x = 30, the sample 20 m

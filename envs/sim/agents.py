@@ -75,7 +75,7 @@ def corridor_gap_rows(xy: Tensor, yaw: Tensor, half: Tensor, obs_xy: Tensor, obs
     rows = obs_valid.any(1).nonzero().squeeze(1)  # one host sync
     if len(rows):
         g, v = corridor_gap(xy[rows], yaw[rows], half[rows], obs_xy[rows], obs_yaw[rows], obs_speed[rows],
-                               obs_half[rows], obs_valid[rows], horizon)
+                            obs_half[rows], obs_valid[rows], horizon)
         gap[rows], lead_v[rows] = g, v
     return gap, lead_v
 

@@ -185,7 +185,8 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     dx, dy = px - rx, py - ry  # [N, B, A]
     d = dx.mul_(dx).addcmul_(dy, dy).add_(torch.where(ok, 0.0, math.inf).t().unsqueeze(-1))  # + inf: where is slow
     hit = torch.eq(d, d.amin(0), out=torch.empty_like(d))  # 0/1 as floats
-    j = N - hit.mul_(torch.arange(N, 0, -1, dtype=d.dtype, device=d.device).view(N, 1, 1)).amax(0).long()  # the first
+    first = hit.mul_(torch.arange(N, 0, -1, dtype=d.dtype, device=d.device).view(N, 1, 1)).amax(0)
+    j = (N - first.long()).clamp_(max=N - 1)  # the first nearest (a NaN point matches none: the last, not out of range)
     q = route.reshape(B * N, 4).index_select(0, (j + torch.arange(B, device=j.device).unsqueeze(1) * N).view(-1))
     q = q.view(*j.shape, 4)
     rel = xy - q[..., :2]
