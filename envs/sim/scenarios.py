@@ -140,8 +140,8 @@ class RouteScenarios(Part):
         member = tab.group[c.scn].unsqueeze(-1) == torch.arange(NUM_GROUPS, device=c.status.device)  # [B,K,G]
         k = torch.arange(K, device=c.status.device).view(1, K, 1)
         live_k = torch.where(member & (c.status == LIVE).unsqueeze(-1), k, -1).amax(1)  # [B,G]
-        # the first pending one as K - max(K - k): amin over int64 is ~15x slower than amax on AVX2 CPUs (no packed
-        # 64-bit min; docs/simulator.md, "Broadcasts and reductions")
+        # the first pending one as K - max(K - k): int64 amin is ~15x slower than amax on CPU (measured on an AVX2
+        # Zen 3; docs/simulator.md, "Broadcasts and reductions")
         pend_k = K - torch.where(member & (c.status == PENDING).unsqueeze(-1), K - k, 0).amax(1)
         owner = torch.where(live_k >= 0, live_k, pend_k)
         older = (c.status == LIVE) & member.any(-1) & (
