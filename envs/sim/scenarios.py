@@ -401,7 +401,7 @@ class RouteScenarios(Part):
         rules, observer) shares them: rebuilt only when the scenarios, their status or activation times are other
         tensors or were written since (the tensors are held, so a new one cannot take an old one's identity)."""
         sources = (c.scn, c.status, c.t_act)
-        if len(self._overrides_from) != len(sources) or any(
+        if not self._overrides_from or any(
                 t is not held or t._version != version for t, (held, version) in zip(sources, self._overrides_from)):
             tab = self.tab
             jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]

@@ -167,7 +167,7 @@ def _within(f: Tensor, radius: float) -> Tensor:
     """Ego-frame features [B, N, F] (x, y first, the validity flag last) with the rows that are not valid or lie
     beyond ``radius`` all zero (their flag too)."""
     x, y = f[..., :1], f[..., 1:2]
-    near = x * x + y * y <= radius * radius  # not square().sum(-1): a reduction over a last dim of 2 is 5x slower
+    near = x * x + y * y <= radius * radius  # not square().sum(-1) over a last dim of 2: 242 vs 341 us at [1024, 32, 9]
     return f * (near & (f[..., -1:] > 0))
 
 
