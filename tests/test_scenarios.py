@@ -503,3 +503,86 @@ def test_background_traffic_sees_the_scenario_actors_as_if_they_were_more_obstac
         for f in ("speed", "s", "lane", "lights"):
             assert torch.equal(getattr(sparse, f), getattr(dense, f)), f
     assert seen > 0  # some rows had scenario actors to see
+
+
+def test_only_the_row_in_its_trigger_circle_plays_its_scenario_and_gets_its_lights() -> None:
+    """Three rows on the left-turn route; only row 1 stands in the trigger circle. Row 1 gets the stream and the forced
+    lights (its stream's E green, its own W red for 5 s, N and S red); rows 0 and 2, idle (the step skips them), keep
+    the light cycle and show no scenario actor."""
+    env = env_with("SignalizedJunctionLeftTurn", to="N", num_envs=3)
+    groups = torch.arange(4).unsqueeze(0).expand(3, 4)
+    a0 = env.scenarios.veh0
+    s, first = env.state, int(env.world.scn.act_first[0])
+    s.ego_xy[1] = env.world.route_pts[0, first]
+    s.route_idx[1] = s.crit.dev_idx[1] = first
+    s.ego_speed[:] = 0.0
+    for step in range(40):
+        env.step(torch.tensor([[0.0, -1.0]] * 3))
+        s = env.state
+        lights = env.light_lookup(s)(groups)[0]
+        cycle = env.lights.state(s, groups)[0]
+        assert torch.equal(lights[[0, 2]], cycle[[0, 2]]), step
+        since = float(s.t[1] - s.scn.t_act[1, 0])
+        assert lights[1].tolist() == [0, 2, 2 if since < 5.0 - 1e-6 else 0, 2], (since, lights[1])
+        assert not s.veh.valid[[0, 2], a0:].any() and not s.ped.valid[[0, 2], env.scenarios.ped0:].any()
+        assert s.scn.status[[0, 2], 0].tolist() == [0, 0] and int(s.scn.status[1, 0]) == LIVE
+    assert bool(s.veh.valid[1, a0:a0 + 8].any())  # the stream has come
+
+
+def test_the_step_of_the_busy_rows_alone_is_the_step_of_every_row() -> None:
+    """The scenario step plays only rows with a firing or live scenario or a shown actor (and, once more, the rows
+    that were busy); an env that plays every row (``keeps_slots`` off, as the CARLA part does) must step the same:
+    the same scenario state, observations, rewards and ends, and the same actors wherever they are shown."""
+    from envs import make_env
+    from envs.sim.expert import Expert
+
+    envs = [make_env("sim", 64, "cpu", 0, bev=False, observation="vector", traffic=False, num_routes=32,
+                     scenario_density=12.0, scenario_weights=(1.0,) * 6, town_seeds=(0, 1)) for _ in range(2)]
+    envs[1].scenarios.keeps_slots = False
+    for env in envs:
+        env.reset()
+    steer = Expert(envs[0]).steer  # along the route at a steady throttle: scenarios fire, play out and end
+    busy_seen, idle_seen, ended = 0, 0, 0
+    for _ in range(300):
+        action = torch.stack((steer(envs[0].state), torch.full((64,), 0.35)), -1)
+        live = envs[0].state.scn.status == LIVE
+        busy, every = (env.step(action) for env in envs)
+        ended += int((live & (envs[0].state.scn.status == DONE)).sum())
+        a, b = (env.state for env in envs)
+        for f in ("status", "owner", "act_s", "act_v", "act_alive", "next_gap", "t_act", "fin_m", "moving", "hit",
+                  "collided", "timed_out", "preempted", "patch", "near"):
+            assert torch.equal(getattr(a.scn, f), getattr(b.scn, f)), f
+        for k in busy.obs:
+            assert torch.equal(busy.obs[k], every.obs[k]), k
+        assert torch.equal(busy.reward, every.reward) and torch.equal(busy.terminated, every.terminated)
+        for kind, fields in (("veh", ("xy", "yaw", "speed", "half", "lights")), ("ped", ("xy", "yaw", "speed")),
+                             ("statics", ("xy", "yaw", "half"))):
+            va, vb = getattr(a, kind).valid, getattr(b, kind).valid
+            assert torch.equal(va, vb), kind
+            for f in fields:
+                assert torch.equal(getattr(getattr(a, kind), f)[va], getattr(getattr(b, kind), f)[vb]), (kind, f)
+        n = int(envs[0].scenarios.settling.sum())
+        busy_seen, idle_seen = busy_seen + n, idle_seen + 64 - n
+    assert busy_seen > 0 and idle_seen > 0 and ended > 10  # both kinds of row were there, and scenarios ended
+
+
+def test_a_pedestrian_crossing_ends_40_m_after_its_walker_finished_and_its_group_moves_on_when_idle() -> None:
+    """DynamicObjectCrossing ends when the ego has driven 40 m past where it was when the walker finished its crossing
+    (the route's only scenario, so also its last, K - 1: that flag was once lost to a scatter). The step skips idle
+    rows, but a row whose scenario has just ended is played once more, so its slot group moves on to the route's next
+    scenario of the group (here none: owner K = 1) although nothing is live."""
+    env = env_with("DynamicObjectCrossing")
+    group = int(env.world.scn.group[env.state.scn.scn[0, 0]])
+    w, log = env.world, []
+
+    def record(s, info) -> None:  # noqa: ANN001
+        log.append((int(s.scn.status[0, 0]), int(s.scn.owner[0, group]), bool(s.scn.act_alive[0].any()),
+                    float(w.route_cum[0, s.route_idx[0]]), float(s.scn.fin_m[0, 0])))
+
+    drive(env, 8.0, 140, brake_at_x=-40.0, record=record)  # stop for the walker, who crosses and leaves ...
+    drive(env, 8.0, 100, record=record)  # ... then drive on
+    fin = next(k for k, x in enumerate(log) if x[4] < math.inf)
+    assert not log[fin][2] and log[fin][4] == log[fin][3]  # the walker gone, at the ego's route metres then
+    end = next(k for k, x in enumerate(log) if x[0] == DONE)
+    assert log[end][3] >= log[fin][4] + 40.0 > log[end - 1][3]
+    assert log[end][1] == 0 and log[end + 1][1] == 1  # idle at the next step, and the group has moved on

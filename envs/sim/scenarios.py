@@ -11,7 +11,9 @@ differences.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -52,6 +54,7 @@ class RouteScenarios(Part):
         self.slot_group = self.slot_actor // FLOW_SLOTS
         self.noise_ticks = max(1, round(setup.cfg.dt / LB_TICK))
         self.steps = 0
+        self.settling = torch.zeros(setup.num_envs, dtype=torch.bool, device=setup.device)  # busy at the last step
         self._overrides_from: tuple[tuple[Tensor, int], ...] = ()  # what _overrides was built from
         self._overrides_value: tuple[Tensor, ...] = ()
 
@@ -79,7 +82,7 @@ class RouteScenarios(Part):
             prev_collisions=torch.zeros(B, dtype=torch.long, device=dev),
             timeouts=torch.zeros(B, dtype=torch.long, device=dev))
         if self.on:  # what a fresh episode shows before any activation: the blockers and the waiting cyclist
-            self._assign_groups(s)
+            self._assign_groups(s.scn)
             g = self.group_scenario(s.scn)
             self._show_singles(s.scn, g, torch.zeros_like(g, dtype=torch.bool))
             self._write(s, g)
@@ -92,50 +95,82 @@ class RouteScenarios(Part):
         if not self.on:
             return action
         c, tab, st = s.scn, self.tab, self.setup
-        live = (c.status == LIVE) & (tab.type[c.scn] == LOSS) & (c.patch < 3)
-        patch_xy = tab.patch_xy[c.scn].gather(2, c.patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)
-        near = live & ((patch_xy - s.ego_xy.unsqueeze(1)).norm(dim=-1) < LOSS_RADIUS)
-        c.patch = c.patch + (c.near & ~near).long()  # the ego has left the patch: the next one
-        c.near = near
-        sign = c.signs.gather(2, c.patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)  # [B,K,2]
-        mean = torch.tensor([m for m, _ in LOSS_NOISE], device=st.device)
-        std = torch.tensor([d for _, d in LOSS_NOISE], device=st.device) / math.sqrt(self.noise_ticks)
-        draw = sign * mean + std * torch.randn(sign.shape, generator=st.gen, device=st.device)
-        noise = torch.where(near.unsqueeze(-1), draw, torch.zeros_like(draw)).sum(1)  # [B, 2]
+        draws = torch.randn(c.status.shape + (2,), generator=st.gen, device=st.device)  # every row's, as in step()
+        noise = torch.zeros_like(action)
+        rows = torch.nonzero(((c.status == LIVE) | c.near).any(1)).flatten()  # the others have no noise to add
+        if len(rows):
+            scn, was_near = c.scn[rows], c.near[rows]
+            live = (c.status[rows] == LIVE) & (tab.type[scn] == LOSS) & (c.patch[rows] < 3)
+            at = lambda x, patch: x.gather(  # noqa: E731 - x [R,K,3,2] at each scenario's patch
+                2, patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)
+            gap = (at(tab.patch_xy[scn], c.patch[rows]) - s.ego_xy[rows].unsqueeze(1)).norm(dim=-1)
+            near = live & (gap < LOSS_RADIUS)
+            patch = c.patch[rows] + (was_near & ~near).long()  # the ego has left the patch: the next one
+            c.patch, c.near = c.patch.index_put((rows,), patch), c.near.index_put((rows,), near)
+            mean = torch.tensor([m for m, _ in LOSS_NOISE], device=st.device)
+            std = torch.tensor([d for _, d in LOSS_NOISE], device=st.device) / math.sqrt(self.noise_ticks)
+            draw = at(c.signs[rows], patch) * mean + std * draws[rows]  # [R,K,2]
+            noise = noise.index_put((rows,), torch.where(near.unsqueeze(-1), draw, torch.zeros_like(draw)).sum(1))
         steer = (action[:, 0] + noise[:, 0]).clamp(-1.0, 1.0)
         lon = action[:, 1]
         lon = torch.where(lon >= 0, (lon + noise[:, 1]).clamp(0.0, 1.0),
                           (lon + noise[:, 1] * st.cfg.max_accel / st.cfg.max_brake).clamp(max=0.0))
         return torch.stack((steer, lon), -1)
 
+    # a part whose actor source rewrites every slot from outside between steps (a CARLA server's reading) plays every
+    # row; the simulator's traffic leaves the scenario slots alone, so idle rows can be skipped
+    keeps_slots = True
+
     def step(self, s: SimState) -> None:
-        """Activate, move, end; then write the actors into their slots (after the other actors moved)."""
+        """Activate, move, end; then write the actors into their slots (after the other actors moved).
+
+        Only busy rows are played: a scenario fires or is live, an actor is shown, or the row was busy at the last
+        step (it settles: the slot groups move on to their next scenario). An idle row is at a fixed point of the
+        step (nothing fires, moves or ends; its slots hold what they held), and at batch 1024 most rows are idle, so
+        the step gathers the busy rows, plays them and writes them back."""
         if not self.on:
             return
-        c, tab, w, dt = s.scn, self.tab, self.setup.world, self.setup.cfg.dt
-        route_m = w.route_cum[s.route_id, s.route_idx]
+        c, tab, st = s.scn, self.tab, self.setup
         ri = s.route_idx.unsqueeze(1)
         fire = (c.status == PENDING) & (ri >= tab.act_first[c.scn]) & (ri <= tab.act_last[c.scn])
+        # the flows' gap draws, for every row: the random stream does not depend on which rows are busy
+        draws = torch.rand(c.act_s.shape, generator=st.gen, device=st.device)
+        busy = fire.any(1) | (c.status == LIVE).any(1) | c.act_alive.flatten(1).any(1)
+        if self.keeps_slots:
+            rows = torch.nonzero(busy | self.settling).flatten()  # one host sync
+            self.settling = busy
+        else:
+            rows = torch.arange(len(busy), device=busy.device)
+        if len(rows) == 0:
+            return
+        r = BusyRows.gather(s, rows, self.setup.world.route_cum, st.ego_half)
+        self._play(r, fire[rows], draws[rows])
+        r.scatter(s, rows)
+        self._put_slots(s, self._slot_values(r.scn, self.group_scenario(r.scn)), rows)
+
+    def _play(self, r: BusyRows, fire: Tensor, draws: Tensor) -> None:
+        """The step on rows ``r``: activate the scenarios that ``fire``, assign the slot groups, start, move, show and
+        end the actors (``draws``: U(0, 1) [R, G, F] for the flows' gaps)."""
+        c, tab, dt = r.scn, self.tab, self.setup.cfg.dt
         c.status = torch.where(fire, LIVE, c.status)
-        c.t_act = torch.where(fire, s.t.unsqueeze(1), c.t_act)
-        c.act_m = torch.where(fire, route_m.unsqueeze(1), c.act_m)
-        self._assign_groups(s)
-        g = self.group_scenario(c)  # [B,G] table row each group shows
+        c.t_act = torch.where(fire, r.t.unsqueeze(1), c.t_act)
+        c.act_m = torch.where(fire, r.route_m.unsqueeze(1), c.act_m)
+        self._assign_groups(c)
+        g = self.group_scenario(c)  # [R,G] table row each group shows
         live_g = self._group_status(c) == LIVE
         # single actors start by the ego's time to arrival at the conflict point (or its distance)
-        d = (tab.c_xy[c.scn] - s.ego_xy.unsqueeze(1)).norm(dim=-1)
-        tta = d / s.ego_speed.clamp(min=1e-3).unsqueeze(1)
+        d = (tab.c_xy[c.scn] - r.ego_xy.unsqueeze(1)).norm(dim=-1)
+        tta = d / r.ego_speed.clamp(min=1e-3).unsqueeze(1)
         start = (c.status == LIVE) & ~c.moving & ((tta < tab.react[c.scn]) | (d < tab.min_dist[c.scn]))
         c.moving |= start & (tab.react[c.scn] > 0)
-        self._move(s, g, live_g, dt, route_m)
+        self._move(r, g, live_g, dt, draws)
         self._show_singles(c, g, live_g)
-        self._end(s, route_m)
-        self._write(s, self.group_scenario(c))
+        self._end(r)
 
-    def _assign_groups(self, s: SimState) -> None:
+    def _assign_groups(self, c: ScenarioState) -> None:
         """Each slot group shows its latest live scenario, else its next pending one; an older live one in the same
         group ends (preempted). A group that changes scenario starts its actors afresh."""
-        c, tab = s.scn, self.tab
+        tab = self.tab
         B, K = c.status.shape
         member = tab.group[c.scn].unsqueeze(-1) == torch.arange(NUM_GROUPS, device=c.status.device)  # [B,K,G]
         k = torch.arange(K, device=c.status.device).view(1, K, 1)
@@ -176,12 +211,11 @@ class RouteScenarios(Part):
         K = c.status.shape[1]
         return torch.gather(flag, 1, c.owner.clamp(max=K - 1)) & (c.owner < K)
 
-    def _move(self, s: SimState, g: Tensor, live_g: Tensor, dt: float, route_m: Tensor) -> None:
+    def _move(self, r: BusyRows, g: Tensor, live_g: Tensor, dt: float, draws: Tensor) -> None:
         """Flows: cars advance at the flow's speed (minding the ego, with IDM, once one of them hit it), leave at the
         sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
         except inside the junction). Single actors walk or drive their path once started, then leave."""
-        c, tab, st = s.scn, self.tab, self.setup
-        B, G, F = c.act_s.shape
+        c, tab = r.scn, self.tab
         is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
         collided = self._group_flag(c, c.hit)  # its own actor hit: a single coasts, a flow minds the ego
@@ -189,7 +223,7 @@ class RouteScenarios(Part):
         c.act_v = torch.where((collided & ~is_flow).unsqueeze(-1), (c.act_v - COAST * dt).clamp(min=0.0), c.act_v)
         careful = (collided & is_flow).unsqueeze(-1)
         if bool(careful.any()):  # one host sync; skips the flows' IDM on most steps
-            c.act_v = torch.where(careful, self._careful_speed(s, g, dt), c.act_v)
+            c.act_v = torch.where(careful, self._careful_speed(r, g, dt), c.act_v)
         go = c.act_alive & (flow | moving).unsqueeze(-1)
         c.act_s = torch.where(go, c.act_s + c.act_v * dt, c.act_s)
         # single actors (slot 0): shown from activation (or from the start: the cyclist) until they have moved
@@ -197,12 +231,11 @@ class RouteScenarios(Part):
         end = torch.where(flow, tab.path_len[g], tab.move_dist[g]).unsqueeze(-1)
         finished = c.act_alive & (c.act_s >= end)
         single_done = finished[..., 0] & ~flow & moving
-        c.fin_m = torch.where(self._scatter_k(c, single_done), route_m.unsqueeze(1), c.fin_m)
+        c.fin_m = torch.where(self._scatter_k(c, single_done), r.route_m.unsqueeze(1), c.fin_m)
         c.act_alive &= ~finished
         # fresh flows: pre-fill along the path (outside the junction), then the spawn rule
         first = flow & (c.next_gap == 0)
-        gaps = tab.gap_lo[g].unsqueeze(-1) + torch.rand((B, G, F), generator=st.gen, device=st.device) * (
-            tab.gap_hi[g] - tab.gap_lo[g]).unsqueeze(-1)
+        gaps = tab.gap_lo[g].unsqueeze(-1) + draws * (tab.gap_hi[g] - tab.gap_lo[g]).unsqueeze(-1)
         pos = gaps.cumsum(-1) - gaps[..., :1]  # 0, g1, g1 + g2, ...
         idx = pos.long().clamp(max=tab.path.shape[1] - 1)
         inside = tab.path_junction[g.unsqueeze(-1), idx]
@@ -253,74 +286,89 @@ class RouteScenarios(Part):
         c.act_alive[..., 0] = torch.where(single & ~c.act_alive[..., 0] & (c.act_s[..., 0] == 0), show,
                                           c.act_alive[..., 0])
 
-    def _careful_speed(self, s: SimState, g: Tensor, dt: float) -> Tensor:
+    def _careful_speed(self, r: BusyRows, g: Tensor, dt: float) -> Tensor:
         """A flow after a collision (``ActorFlow``: its cars stop ignoring vehicles): IDM towards the flow's speed,
         behind the ego when it is in their way."""
-        c, st = s.scn, self.setup
+        c = r.scn
         B, G, F = c.act_s.shape
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
-        ego = (s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1), s.ego_speed.unsqueeze(1), st.ego_half.unsqueeze(1),
-               torch.ones(B, 1, dtype=torch.bool, device=st.device))
+        ego = (r.ego_xy.unsqueeze(1), r.ego_yaw.unsqueeze(1), r.ego_speed.unsqueeze(1), r.ego_half.unsqueeze(1),
+               torch.ones(B, 1, dtype=torch.bool, device=c.act_s.device))
         gap, lead_v = corridor_gap(xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2), *ego)
         v = c.act_v.view(B, G * F)
         acc = idm_accel(v, self.tab.speed[g].unsqueeze(-1).expand_as(c.act_v).reshape(B, G * F), gap, v - lead_v)
         return (v + acc * dt).clamp(min=0.0).view(B, G, F)
 
     def _scatter_k(self, c: ScenarioState, per_group: Tensor) -> Tensor:
-        """A [B,G] flag of the groups' scenarios as a [B,K] flag."""
+        """A [B,G] flag of the groups' scenarios as a [B,K] flag (a group without a scenario, owner K, flags none: a
+        scatter to its clamped index could overwrite the flag of scenario K - 1)."""
         K = c.status.shape[1]
-        return torch.zeros_like(c.moving).scatter(1, c.owner.clamp(max=K - 1), per_group & (c.owner < K))
+        return ((c.owner.unsqueeze(-1) == torch.arange(K, device=c.owner.device)) & per_group.unsqueeze(-1)).any(1)
 
-    def _end(self, s: SimState, route_m: Tensor) -> None:
+    def _end(self, r: BusyRows) -> None:
         """End rules: a route point reached (junction types), metres after the actors finished or after activation,
         or the scenario timeout (x0.7; the blocked timer is off while a timeout runs)."""
-        c, tab = s.scn, self.tab
+        c, tab = r.scn, self.tab
         live = c.status == LIVE
-        m = route_m.unsqueeze(1)
+        m = r.route_m.unsqueeze(1)
         end_idx = tab.end_idx[c.scn]
-        by_point = (end_idx >= 0) & (s.route_idx.unsqueeze(1) >= end_idx)
+        by_point = (end_idx >= 0) & (r.route_idx.unsqueeze(1) >= end_idx)
         by_metres = (end_idx < 0) & torch.where(tab.end_from_act[c.scn], m >= c.act_m + tab.end_after_m[c.scn],
                                                 m >= c.fin_m + tab.end_after_m[c.scn])
-        timed_out = live & (s.t.unsqueeze(1) - c.t_act >= tab.timeout_s[c.scn])
+        timed_out = live & (r.t.unsqueeze(1) - c.t_act >= tab.timeout_s[c.scn])
         ended = live & (by_point | by_metres | timed_out)
         c.timed_out |= timed_out
         c.timeouts = c.timeouts + timed_out.sum(1)
         c.status = torch.where(ended, DONE, c.status)
         waiting = ((c.status == LIVE) & torch.isfinite(tab.timeout_s[c.scn])).any(1)
-        s.still_time = torch.where(waiting, torch.zeros_like(s.still_time), s.still_time)
+        r.still_time = torch.where(waiting, torch.zeros_like(r.still_time), r.still_time)
         gone = self._group_status(c) == DONE
         c.act_alive &= ~gone.unsqueeze(-1)
 
     def _write(self, s: SimState, g: Tensor) -> None:
-        """The groups' actors into their slots: the flow group's cars and the single vehicles into the last vehicle
-        slots, pedestrians and their blockers into the last pedestrian and static slots. Only the actors that exist
-        are posed: group 0's cars (it carries the flows) and the other groups' one actor each."""
-        c, tab = s.scn, self.tab
-        V = len(VEHICLE_GROUPS)
+        """The groups' actors (table rows ``g`` [B, G]) into their slots on every row of ``s``."""
+        self._put_slots(s, self._slot_values(s.scn, g))
+
+    def _slot_values(self, c: ScenarioState, g: Tensor) -> tuple[tuple[str, str, int, Tensor], ...]:
+        """What the scenario slots show, as (actor kind, field, first slot, value) for :meth:`_put_slots`: the flow
+        group's cars and the single vehicles in the last vehicle slots, pedestrians and their blockers in the last
+        pedestrian and static slots. Only the actors that exist are posed: group 0's cars (it carries the flows) and
+        the other groups' one actor each."""
+        tab = self.tab
+        V, F = len(VEHICLE_GROUPS), c.act_s.shape[2]
         cars_xy, cars_yaw = self._pose(g[:, :1].expand_as(c.act_s[:, 0]), c.act_s[:, 0])  # [B,F]
         one_xy, one_yaw = self._pose(g[:, 1:], c.act_s[:, 1:, 0])  # [B,G-1]: groups 1..
         moving = self._group_flag(c, c.moving)
-        gv = g[:, 1:V]
-        v, a = s.veh, self.veh0
-        v.xy[:, a:] = torch.cat((cars_xy, one_xy[:, :V - 1]), 1)
-        v.yaw[:, a:] = torch.cat((cars_yaw, one_yaw[:, :V - 1]), 1)
-        v.speed[:, a:] = torch.cat((c.act_v[:, 0], torch.where(moving[:, 1:V], c.act_v[:, 1:V, 0], 0.0)), 1)
-        v.half[:, a:] = torch.cat((c.act_half[:, 0], tab.actor_half[gv]), 1)
-        v.valid[:, a:] = self._vehicle_slots(c.act_alive)
-        v.lights[:, a:] = 0
-        v.lights[:, a + c.act_s.shape[2]:] = torch.where(tab.emergency[gv], LIGHT_EMERGENCY, 0).to(v.lights.dtype)
-        p, gw = s.ped, g[:, V:]
-        p.xy[:, self.ped0:] = one_xy[:, V - 1:]
-        p.yaw[:, self.ped0:] = one_yaw[:, V - 1:]
-        p.speed[:, self.ped0:] = c.act_v[:, V:, 0]
-        p.moving[:, self.ped0:] = moving[:, V:]
-        p.valid[:, self.ped0:] = c.act_alive[:, V:, 0]
-        o = s.statics
-        o.xy[:, self.sta0:] = tab.blocker_xy[gw]
-        o.yaw[:, self.sta0:] = tab.blocker_yaw[gw]
-        o.half[:, self.sta0:] = o.half.new_tensor(DOC_BLOCKER_HALF).expand(*gw.shape, 2)
-        o.valid[:, self.sta0:] = tab.blocker_on[gw] & (self._group_status(c)[:, V:] != DONE) & ~self._group_flag(
+        gv, gw, a, p, o = g[:, 1:V], g[:, V:], self.veh0, self.ped0, self.sta0
+        lights = torch.where(tab.emergency[gv], LIGHT_EMERGENCY, 0)
+        blocked = tab.blocker_on[gw] & (self._group_status(c)[:, V:] != DONE) & ~self._group_flag(
             c, c.fin_m < math.inf)[:, V:]
+        return (
+            ("veh", "xy", a, torch.cat((cars_xy, one_xy[:, :V - 1]), 1)),
+            ("veh", "yaw", a, torch.cat((cars_yaw, one_yaw[:, :V - 1]), 1)),
+            ("veh", "speed", a, torch.cat((c.act_v[:, 0], torch.where(moving[:, 1:V], c.act_v[:, 1:V, 0], 0.0)), 1)),
+            ("veh", "half", a, torch.cat((c.act_half[:, 0], tab.actor_half[gv]), 1)),
+            ("veh", "valid", a, self._vehicle_slots(c.act_alive)),
+            ("veh", "lights", a, torch.cat((torch.zeros_like(lights[:, :1]).expand(-1, F), lights), 1)),
+            ("ped", "xy", p, one_xy[:, V - 1:]),
+            ("ped", "yaw", p, one_yaw[:, V - 1:]),
+            ("ped", "speed", p, c.act_v[:, V:, 0]),
+            ("ped", "moving", p, moving[:, V:]),
+            ("ped", "valid", p, c.act_alive[:, V:, 0]),
+            ("statics", "xy", o, tab.blocker_xy[gw]),
+            ("statics", "yaw", o, tab.blocker_yaw[gw]),
+            ("statics", "half", o, c.act_half.new_tensor(DOC_BLOCKER_HALF).expand(*gw.shape, 2)),
+            ("statics", "valid", o, blocked))
+
+    @staticmethod
+    def _put_slots(s: SimState, values: tuple[tuple[str, str, int, Tensor], ...], rows: Tensor | None = None) -> None:
+        """Write :meth:`_slot_values` into the state's actor tensors, on every row or on ``rows``."""
+        for kind, name, first, value in values:
+            target = getattr(getattr(s, kind), name)
+            if rows is None:
+                target[:, first:] = value
+            else:
+                target[rows, first:] = value.to(target.dtype)
 
     @staticmethod
     def _vehicle_slots(x: Tensor) -> Tensor:
@@ -380,35 +428,42 @@ class RouteScenarios(Part):
         is red for ``ego_red_s`` then green, the flow's green, all others red."""
         if not self.on:
             return state, yellow_left
-        jn, ego, src, t_act, red_s = self._overrides(s.scn)
-        if jn.shape[1] == 0:
+        rows, jn, ego, src, t_act, red_s = self._overrides(s.scn)
+        if len(rows) == 0:
             return state, yellow_left
-        q = group.clamp(min=0)
-        in_j = (self.setup.world.group_junction[q].unsqueeze(-1) == jn.unsqueeze(1)) & (group >= 0).unsqueeze(-1) & (
-            jn >= 0).unsqueeze(1)  # [B,N,J]
-        red_phase = (s.t.unsqueeze(1) - t_act) < red_s
+        group = group[rows]  # [R,N]: only the rows with a live override
+        in_j = (self.setup.world.group_junction[group.clamp(min=0)].unsqueeze(-1) == jn.unsqueeze(1)) & (
+            group >= 0).unsqueeze(-1) & (jn >= 0).unsqueeze(1)  # [R,N,J]
+        red_phase = (s.t[rows].unsqueeze(1) - t_act) < red_s
         is_ego = group.unsqueeze(-1) == ego.unsqueeze(1)
         is_src = group.unsqueeze(-1) == src.unsqueeze(1)
         forced = torch.where(is_ego, torch.where(red_phase.unsqueeze(1), 2, 0), torch.where(is_src, 0, 2))
         any_j = in_j.any(-1)
         pick = in_j.byte().argmax(-1, keepdim=True)
         new = torch.gather(forced, 2, pick).squeeze(-1)
-        return torch.where(any_j, new, state), torch.where(any_j, torch.zeros_like(yellow_left), yellow_left)
+        state_r, yellow_r = state[rows], yellow_left[rows]
+        return (state.index_put((rows,), torch.where(any_j, new, state_r).to(state.dtype)),
+                yellow_left.index_put((rows,), torch.where(any_j, torch.zeros_like(yellow_r), yellow_r)))
 
-    def _overrides(self, c: ScenarioState) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """The live overrides, first in scenario order ([B, J], not [B, K]): junction, the ego's and the flow's light
-        groups, activation time, how long the ego's light stays red after it. Every light lookup of a step (traffic,
-        rules, observer) shares them: rebuilt only when the scenarios, their status or activation times are other
-        tensors or were written since (the tensors are held, so a new one cannot take an old one's identity)."""
+    def _overrides(self, c: ScenarioState) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The rows with a live override (``rows`` [R]) and their overrides, first in scenario order ([R, J], not
+        [B, K]): junction, the ego's and the flow's light groups, activation time, how long the ego's light stays red
+        after it. Every light lookup of a step (traffic, rules, observer) shares them: rebuilt only when the
+        scenarios, their status or activation times are other tensors or were written since (the tensors are held,
+        so a new one cannot take an old one's identity)."""
         sources = (c.scn, c.status, c.t_act)
         if not self._overrides_from or any(
                 t is not held or t._version != version for t, (held, version) in zip(sources, self._overrides_from)):
             tab = self.tab
-            jn = torch.where(c.status == LIVE, tab.light_junction[c.scn], -1)  # [B,K]
-            k = true_first(jn >= 0)  # one host sync and a sort: once per step, not once per lookup
-            scn = c.scn.gather(1, k)
-            self._overrides_value = (jn.gather(1, k), tab.light_ego[scn], tab.light_src[scn],
-                                     c.t_act.gather(1, k), tab.ego_red_s[scn])
+            live = c.status == LIVE
+            cand = torch.nonzero(live.any(1)).flatten()  # host syncs and a sort: once per step, not once per lookup
+            jn = torch.where(live[cand], tab.light_junction[c.scn[cand]], -1)  # [C,K]
+            has = (jn >= 0).any(1)
+            rows, jn = cand[has], jn[has]
+            k = true_first(jn >= 0)
+            scn = c.scn[rows].gather(1, k)
+            self._overrides_value = (rows, jn.gather(1, k), tab.light_ego[scn], tab.light_src[scn],
+                                     c.t_act[rows].gather(1, k), tab.ego_red_s[scn])
             self._overrides_from = tuple((t, t._version) for t in sources)
         return self._overrides_value
 
@@ -448,3 +503,32 @@ class RouteScenarios(Part):
         info = dict(zip(keys, table))
         info["episode/infractions/scenario_timeout"] = c.timeouts.float()
         return info
+
+
+@dataclass
+class BusyRows:
+    """The rows of the state the scenario step plays (``rows`` of the batch): their scenario state and what the step
+    reads and writes of the rest; :meth:`scatter` writes them back."""
+
+    scn: ScenarioState
+    route_idx: Tensor
+    route_m: Tensor  # route metres at the ego's route point
+    t: Tensor
+    ego_xy: Tensor
+    ego_yaw: Tensor
+    ego_speed: Tensor
+    ego_half: Tensor
+    still_time: Tensor
+
+    @classmethod
+    def gather(cls, s: SimState, rows: Tensor, route_cum: Tensor, ego_half: Tensor) -> BusyRows:
+        route_id, route_idx = s.route_id[rows], s.route_idx[rows]
+        scn = ScenarioState(**{f.name: getattr(s.scn, f.name)[rows] for f in dataclasses.fields(s.scn)})
+        return cls(scn, route_idx, route_cum[route_id, route_idx], s.t[rows], s.ego_xy[rows], s.ego_yaw[rows],
+                   s.ego_speed[rows], ego_half[rows], s.still_time[rows])
+
+    def scatter(self, s: SimState, rows: Tensor) -> None:
+        """Write the rows back, out of place (the step's other stages may hold the tensors they read)."""
+        for f in dataclasses.fields(s.scn):
+            setattr(s.scn, f.name, getattr(s.scn, f.name).index_put((rows,), getattr(self.scn, f.name)))
+        s.still_time = s.still_time.index_put((rows,), self.still_time)
