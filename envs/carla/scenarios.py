@@ -33,6 +33,8 @@ LIFT = {"car": 0.3, "emergency": 0.3, "bicycle": 0.2, "walker": 1.0, "blocker": 
 class CarlaScenarios(RouteScenarios):
     """:class:`RouteScenarios` mirrored onto the session's server (see the module docstring)."""
 
+    keeps_slots = False  # the actor source rewrites every slot from the server's reading: every row is played
+
     def __init__(self, session: Any):
         self.session = session
         self.spawned: dict[tuple[str, int], tuple[str, Any]] = {}  # (state group, slot) -> (kind, server actor)

@@ -117,8 +117,10 @@ class RouteScenarios(Part):
                           (lon + noise[:, 1] * st.cfg.max_accel / st.cfg.max_brake).clamp(max=0.0))
         return torch.stack((steer, lon), -1)
 
-    # a part whose actor source rewrites every slot from outside between steps (a CARLA server's reading) plays every
-    # row; the simulator's traffic leaves the scenario slots alone, so idle rows can be skipped
+    # whether the scenario slots keep between steps what this part wrote, so that idle rows can be skipped: the
+    # simulator's traffic never shows or moves a shown scenario actor (its pedestrian step repositions the hidden ones,
+    # which every reader masks); a part whose actor source rewrites every slot from outside (a CARLA server's reading)
+    # plays every row
     keeps_slots = True
 
     def step(self, s: SimState) -> None:
