@@ -6,8 +6,11 @@ vehicle, the junction flows) and are written into the last actor slots of the st
 that every observation, infraction check and background driver sees them like any other actor. The junction
 scenarios override their junction's lights; ControlLoss perturbs the ego's controls at its debris patches. What each
 type does is compiled into tables once (:mod:`envs.sim.scenario_world`); the step indexes them, with no loop over
-environments, scenarios or actors. ``../shared/docs/scenarios.md`` is the reference; docs/fidelity.md the
-differences.
+environments, scenarios or actors, and plays only the rows that have scenario activity.
+``../shared/docs/scenarios.md`` is the reference; docs/fidelity.md the differences.
+
+One file, on purpose: activation, motion, slots, light overrides, control noise and outcomes are one part's stages
+over the same scenario state, slot groups and tables.
 """
 from __future__ import annotations
 
