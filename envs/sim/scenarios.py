@@ -28,7 +28,7 @@ from envs.sim.infractions import INFRACTIONS
 from envs.sim.parts import RESPAWN_EVERY, Part
 from envs.sim.scenario_world import (DOC_BLOCKER_HALF, FLOW_SLOTS, LEFT, LOSS, LOSS_RADIUS, NUM_GROUPS, RIGHT,
                                      VEHICLE_GROUPS)
-from envs.sim.state import ScenarioState, SimState
+from envs.sim.state import ScenarioState, SimState, assign_rows
 
 PENDING, LIVE, DONE = 0, 1, 2
 LOSS_NOISE = ((0.055, 0.015), (0.03, 0.01))  # (mean, std) of the steer and throttle noise per 20 Hz tick
@@ -148,7 +148,7 @@ class RouteScenarios(Part):
             rows = torch.arange(len(busy), device=busy.device)
         if len(rows) == 0:
             return
-        r = BusyRows.gather(s, rows, self.setup.world.route_cum, st.ego_half)
+        r = BusyRows.gather(s, rows, st.world.route_cum, st.ego_half)
         self._play(r, fire[rows], draws[rows])
         r.scatter(s, rows)
         self._put_slots(s, self._slot_values(r.scn, self.group_scenario(r.scn)), rows)
@@ -533,7 +533,6 @@ class BusyRows:
                    s.ego_speed[rows], ego_half[rows], s.still_time[rows])
 
     def scatter(self, s: SimState, rows: Tensor) -> None:
-        """Write the rows back, out of place (the step's other stages may hold the tensors they read)."""
-        for f in dataclasses.fields(s.scn):
-            setattr(s.scn, f.name, getattr(s.scn, f.name).index_put((rows,), getattr(self.scn, f.name)))
-        s.still_time = s.still_time.index_put((rows,), self.still_time)
+        """Write the rows back into ``s``, in place."""
+        assign_rows(s.scn, rows, self.scn)
+        s.still_time[rows] = self.still_time
