@@ -10,6 +10,7 @@ import torch
 from envs.maps.lanegraph import MARK_BROKEN, MARK_SOLID, Lane, LaneGraph
 from envs.maps.rasterize import (LAYER_CROSSWALK, LAYER_JUNCTION, LAYER_MARKINGS, LAYER_ROAD, LAYER_SHOULDER,
                               LAYER_SPEED_SIGNS, MapRaster, compile_raster, load_or_compile_raster, speed_encoding)
+from envs.sim import bev_draw
 from envs.sim.bev_draw import (BevConfig, box_fraction_on, crop_static, draw_boxes, draw_discs, draw_segments,
                              world_to_bev)
 from envs.sim.render import bev_to_rgb, overlay_text, write_frames
@@ -160,10 +161,17 @@ def test_world_to_bev() -> None:
     assert torch.allclose(px[1], torch.tensor([128.0 + 4.0, 155.0]), atol=1e-4)  # 2 m to the right
 
 
+@pytest.fixture(params=["valid objects only", "fixed shapes"])
+def draw_path(request, monkeypatch) -> None:
+    """Both drawing paths: CPU's (only the valid objects) and CUDA's (every object, fixed shapes), on CPU."""
+    monkeypatch.setattr(bev_draw, "COMPACT_DEVICES", ("cpu",) if request.param == "valid objects only" else ())
+
+
 def _ego0() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, 2), torch.zeros(2)
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_draw_boxes_area_location_max_and_valid() -> None:
     ego, eyaw = _ego0()
     canvas = torch.zeros(2, 256, 256, dtype=torch.uint8)
@@ -190,6 +198,7 @@ def test_draw_boxes_area_location_max_and_valid() -> None:
     assert int(rows.max() - rows.min()) == 3 and int(cols.max() - cols.min()) == 7
 
 
+@pytest.mark.usefixtures("draw_path")
 def test_draw_into_channel_slice_and_primitives() -> None:
     ego, eyaw = _ego0()
     obs = torch.zeros(2, 3, 64, 64, dtype=torch.uint8)
@@ -214,6 +223,13 @@ def test_draw_into_channel_slice_and_primitives() -> None:
     assert int(on[:, 0].unique().numel()) == 3 and 30 <= on.shape[0] <= 36
     rows = torch.nonzero(canvas[1])[:, 0]
     assert int(rows.unique().numel()) == int(rows.max() - rows.min()) + 1 >= 11
+    # objects not valid draw nothing: a disc and a segment 10 m ahead, valid on the first row only
+    canvas.zero_()
+    ahead = torch.tensor([[[10.0, 0.0]]]).expand(2, 1, 2)
+    first = torch.tensor([[True], [False]])
+    draw_discs(canvas, ahead, 2, 255, first, ego, eyaw, cfg)
+    draw_segments(canvas, ahead, ahead + torch.tensor([0.0, 3.0]), 0.5, 255, first, ego, eyaw, cfg)
+    assert int(canvas[0, cfg.ego_row - 20, cfg.ego_col]) == 255 and int(canvas[1].sum()) == 0
 
 
 def test_box_fraction_on(raster: MapRaster) -> None:

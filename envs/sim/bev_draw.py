@@ -1,8 +1,9 @@
 """Batched bird's-eye-view drawing: the simulator's per-tick rendering hot path.
 
-Every function works on a whole batch of environments at once with fixed tensor shapes: no Python loop over
-environments or objects, no host-device synchronisation (no ``.item()``, no data-dependent shapes), so the same code
-runs on CPU and CUDA (and inside CUDA graphs).
+Every function works on a whole batch of environments at once: no Python loop over environments or objects. On
+CUDA the shapes are fixed and nothing synchronises with the host (the code runs inside CUDA graphs); on CPU, where a
+host sync costs nothing, only the valid objects are drawn (:func:`_objects`): most actor slots are empty on most rows
+(the route scenarios' slots, the vehicles' light boxes), and a box costs its whole patch whether it is drawn or not.
 
 BEV frame (CaRL): the image is ego-centric with the ego heading pointing up. The ego centre is the pixel
 ``(col, row) = (W // 2, H - 1 - ego_from_bottom)``; pixel centres sit at integer ``(col, row)`` coordinates, rows grow
@@ -11,8 +12,8 @@ downwards (backwards from the ego) and columns grow to the ego's right.
 Boxes and discs use a fixed ``K x K`` pixel patch per object (``K`` from a maximum object size) and test every patch
 pixel against the object's shape at once; segments use a fixed grid of samples along and across them. Everything is
 combined into the canvas with ``scatter_reduce("amax")``, so overlapping objects keep the larger value and objects
-outside the view are dropped (their pixels write 0, which ``amax`` ignores). On CPU the big per-pixel work is done in
-fixed-size blocks of environments so temporaries stay in cache; on CUDA the whole batch is one block.
+outside the view are dropped (their pixels write 0, which ``amax`` ignores). On CPU the boxes' per-pixel work is done
+in fixed-size blocks of objects so temporaries stay in cache; on CUDA all objects are one block.
 """
 from __future__ import annotations
 
@@ -280,6 +281,22 @@ def _value_tensor(value: Tensor | int, like: Tensor) -> Tensor:
     return value.reshape(1, 1) if value.dim() == 0 else value
 
 
+COMPACT_DEVICES = ("cpu",)  # device types that draw only the valid objects (data-dependent shapes)
+
+
+def _objects(valid: Tensor, row_stride: int, *xs: Tensor) -> tuple[Tensor, ...]:
+    """The objects of ``valid`` [B, N] flattened to one axis: (the canvas offset of each object's row [M], whether it
+    is drawn [M], then each ``x`` [B, N, ...] (or broadcastable to it) as [M, ...]). On CPU only the valid objects
+    (a data-dependent ``M``: one host sync, free there); elsewhere all ``B * N``, the invalid ones drawing nothing."""
+    B, N = valid.shape
+    if valid.device.type in COMPACT_DEVICES:
+        b, n = valid.nonzero(as_tuple=True)
+        xs = tuple(x.expand(B, N, *x.shape[2:])[b, n] for x in xs)
+        return (b * row_stride, torch.ones_like(b, dtype=torch.bool), *xs)
+    b = torch.arange(B, device=valid.device).repeat_interleave(N) * row_stride
+    return (b, valid.reshape(-1), *(x.expand(B, N, *x.shape[2:]).reshape(B * N, *x.shape[2:]) for x in xs))
+
+
 # CPU cache blocking for the patch-based drawing: patch pixels per block.
 _CPU_PATCH_CHUNK_PIXELS = 1 << 16
 
@@ -292,42 +309,43 @@ def _draw_px_boxes(canvas: Tensor, c_px: Tensor, axis: Tensor, hl_px: Tensor, hw
     ``[B, N]`` half length/width in pixels; boxes are clipped to a patch of radius ``radius_px`` around the centre.
     """
     flat_canvas, (s0, s1, s2) = _flat_view(canvas)
-    bsz, h, w = canvas.shape
+    _, h, w = canvas.shape
     dev = canvas.device
+    row_off, drawn, c_px, axis, hl_px, hw_px, val = _objects(valid, s0, c_px, axis, hl_px, hw_px,
+                                                              _value_tensor(value, valid))
     r = int(math.ceil(radius_px))
     off = torch.arange(-r, r + 1, device=dev, dtype=torch.float32)  # [K]
-    base = torch.round(c_px)  # [B, N, 2]
-    pc = base[..., 0:1] + off  # [B, N, K] patch columns
-    pr = base[..., 1:2] + off  # [B, N, K] patch rows
-    dc = pc - c_px[..., 0:1]
-    dr = pr - c_px[..., 1:2]
-    ac, ar = axis[..., 0:1], axis[..., 1:2]
+    base = torch.round(c_px)  # [M, 2]
+    pc = base[:, 0:1] + off  # [M, K] patch columns
+    pr = base[:, 1:2] + off  # [M, K] patch rows
+    dc = pc - c_px[:, 0:1]
+    dr = pr - c_px[:, 1:2]
+    ac, ar = axis[:, 0:1], axis[:, 1:2]
     # Coordinates are pre-scaled by the box's half sizes so the test is one max(|lx|, |ly|) <= 1 per pixel.
-    # Pixels outside the canvas and invalid boxes get a large offset folded into the separable row/col terms.
+    # Pixels outside the canvas and boxes not drawn get a large offset folded into the separable row/col terms.
     far = 1e6
     inv_l = 1.0 / hl_px.clamp_min(1e-3)
     inv_w = 1.0 / hw_px.clamp_min(1e-3)
     pen_c = ((pc < 0) | (pc > w - 1)).float() * far
-    pen_r = (((pr < 0) | (pr > h - 1)) | ~valid[..., None]).float() * far
-    # along-heading and lateral coordinates (in half sizes), separable in (row, col): [B, N, K] terms
-    lx_r = dr * (ar * inv_l[..., None]) + pen_r
-    lx_c = dc * (ac * inv_l[..., None]) + pen_c
-    ly_r = dr * (ac * inv_w[..., None])
-    ly_c = dc * (ar * inv_w[..., None])
-    bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
-    ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + bidx  # [B, N, K]
+    pen_r = (((pr < 0) | (pr > h - 1)) | ~drawn[:, None]).float() * far
+    # along-heading and lateral coordinates (in half sizes), separable in (row, col): [M, K] terms
+    lx_r = dr * (ar * inv_l[:, None]) + pen_r
+    lx_c = dc * (ac * inv_l[:, None]) + pen_c
+    ly_r = dr * (ac * inv_w[:, None])
+    ly_c = dc * (ar * inv_w[:, None])
+    ir = pr.clamp(0, h - 1).to(torch.int64) * s1 + row_off[:, None]  # [M, K]
     ic = pc.clamp(0, w - 1).to(torch.int64) * s2
-    val = _value_tensor(value, valid).expand(valid.shape)[..., None, None]
-    n_box = valid.shape[1]
-    # CPU: blocks of environments small enough for the [b, N, K, K] temporaries to stay in cache (measured up to
-    # ~2x faster than one pass when other processes compete for memory bandwidth); CUDA: one block.
-    step = bsz if dev.type != "cpu" else max(1, _CPU_PATCH_CHUNK_PIXELS // max(1, n_box * (2 * r + 1) ** 2))
-    for s in range(0, bsz, step):
-        e = min(bsz, s + step)
-        lx = lx_r[s:e, :, :, None] + lx_c[s:e, :, None, :]  # [b, N, K(row), K(col)]
-        ly = ly_r[s:e, :, :, None] - ly_c[s:e, :, None, :]
+    val = val[:, None, None]
+    n_obj = len(val)
+    # CPU: blocks of boxes small enough for the [m, K, K] temporaries to stay in cache (measured up to ~2x faster
+    # than one pass when other processes compete for memory bandwidth); CUDA: one block.
+    step = max(1, n_obj) if dev.type != "cpu" else max(1, _CPU_PATCH_CHUNK_PIXELS // (2 * r + 1) ** 2)
+    for s in range(0, n_obj, step):
+        e = min(n_obj, s + step)
+        lx = lx_r[s:e, :, None] + lx_c[s:e, None, :]  # [m, K(row), K(col)]
+        ly = ly_r[s:e, :, None] - ly_c[s:e, None, :]
         inside = torch.maximum(lx.abs_(), ly.abs_()) <= 1.0
-        flat = ir[s:e, :, :, None] + ic[s:e, :, None, :]
+        flat = ir[s:e, :, None] + ic[s:e, None, :]
         # bool -> uint8 view times the value: much faster on CPU than a broadcasting torch.where on uint8
         vals = inside.view(torch.uint8) * val[s:e]
         flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
@@ -363,38 +381,37 @@ def draw_segments(canvas: Tensor, p0: Tensor, p1: Tensor, thickness_m: float, va
     than ``max_length_m`` are clipped symmetrically around their midpoint.
     """
     flat_canvas, (s0, s1, s2) = _flat_view(canvas)
-    bsz, h, w = canvas.shape
+    _, h, w = canvas.shape
     dev = canvas.device
-    a = world_to_bev(p0.float(), ego_xy.float(), ego_yaw.float(), cfg)
-    b = world_to_bev(p1.float(), ego_xy.float(), ego_yaw.float(), cfg)
+    row_off, drawn, a, b, val = _objects(valid, s0, world_to_bev(p0.float(), ego_xy.float(), ego_yaw.float(), cfg),
+                                         world_to_bev(p1.float(), ego_xy.float(), ego_yaw.float(), cfg),
+                                         _value_tensor(value, valid))
     d = b - a
     length = d.norm(dim=-1, keepdim=True)
     axis = d / length.clamp_min(1e-6)  # zero-length segments draw a single dot
     max_px = max(max_length_m * cfg.ppm, 0.0)
     eff = length.clamp(max=max_px)
-    start = 0.5 * (a + b) - 0.5 * eff * axis  # [B, N, 2]
+    start = 0.5 * (a + b) - 0.5 * eff * axis  # [M, 2]
     n_along = int(math.ceil(max_px / 0.5)) + 1
     half = max(0.5 * thickness_m * cfg.ppm, 0.5) - 0.5  # lateral reach of the sample centres
     n_across = int(math.ceil(2 * half / 0.5)) + 1
-    t = torch.linspace(0.0, 1.0, n_along, device=dev)  # [M]
+    t = torch.linspace(0.0, 1.0, n_along, device=dev)  # [A]
     lat = torch.linspace(-half, half, n_across, device=dev)  # [T]
-    reach = eff * axis  # [B, N, 2] the (clipped) segment vector
+    reach = eff * axis  # [M, 2] the (clipped) segment vector
     coords = []
     for k, limit in ((0, w - 1), (1, h - 1)):
         # sample centre + 0.5, so floor() rounds to the nearest pixel; separable in (along, across)
-        along = torch.addcmul((start[..., k] + 0.5)[..., None], reach[..., k][..., None], t)  # [B, N, M]
+        along = torch.addcmul((start[..., k] + 0.5)[..., None], reach[..., k][..., None], t)  # [M, A]
         if n_across > 1:
             normal_k = axis[..., 1 - k] * (-1.0 if k == 0 else 1.0)
-            along = along[..., :, None] + (normal_k[..., None] * lat)[..., None, :]  # [B, N, M, T]
+            along = along[..., :, None] + (normal_k[..., None] * lat)[..., None, :]  # [M, A, T]
         raw = along.floor_()
         clamped = raw.clamp(0, limit)
         coords.append((clamped, clamped == raw))
     (col, col_ok), (row, row_ok) = coords
     plane = (row * s1 + col * s2).to(torch.int64)  # exact: in-plane offsets are far below 2**24
-    bidx = torch.arange(bsz, device=dev, dtype=torch.int64).view(bsz, *([1] * (plane.dim() - 1))) * s0
-    flat = plane + bidx
-    val = _value_tensor(value, valid) * valid.view(torch.uint8)  # [B, N]
-    val = val.view(val.shape + (1,) * (plane.dim() - 2))
+    flat = plane + row_off.view(-1, *([1] * (plane.dim() - 1)))
+    val = (val * drawn.view(torch.uint8)).view(-1, *([1] * (plane.dim() - 1)))
     vals = (col_ok & row_ok).view(torch.uint8) * val
     flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
 
@@ -407,18 +424,19 @@ def draw_discs(canvas: Tensor, center: Tensor, radius_px: int, value: Tensor | i
     similar to OpenCV's filled circles).
     """
     flat_canvas, (s0, s1, s2) = _flat_view(canvas)
-    bsz, h, w = canvas.shape
+    _, h, w = canvas.shape
     dev = canvas.device
     r = int(radius_px)
     off = torch.arange(-r, r + 1, device=dev, dtype=torch.int64)
     disc = (off[:, None] ** 2 + off[None, :] ** 2) <= r * r + r  # [K, K]
-    base = torch.round(world_to_bev(center.float(), ego_xy.float(), ego_yaw.float(), cfg)).to(torch.int64)
-    pc = base[..., 0:1] + off  # [B, N, K]
-    pr = base[..., 1:2] + off
-    in_r = ((pr >= 0) & (pr < h) & valid[..., None]).view(torch.uint8)
+    row_off, drawn, centre_px, val = _objects(valid, s0, world_to_bev(center.float(), ego_xy.float(), ego_yaw.float(),
+                                                                      cfg), _value_tensor(value, valid))
+    base = torch.round(centre_px).to(torch.int64)
+    pc = base[:, 0:1] + off  # [M, K]
+    pr = base[:, 1:2] + off
+    in_r = ((pr >= 0) & (pr < h) & drawn[:, None]).view(torch.uint8)
     in_c = ((pc >= 0) & (pc < w)).view(torch.uint8)
-    inside = (in_r[..., :, None] * in_c[..., None, :]) * disc.view(torch.uint8)
-    bidx = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None, None] * s0
-    flat = (pr.clamp(0, h - 1) * s1 + bidx)[..., :, None] + (pc.clamp(0, w - 1) * s2)[..., None, :]
-    vals = inside * _value_tensor(value, valid)[..., None, None]
+    inside = (in_r[:, :, None] * in_c[:, None, :]) * disc.view(torch.uint8)
+    flat = (pr.clamp(0, h - 1) * s1 + row_off[:, None])[:, :, None] + (pc.clamp(0, w - 1) * s2)[:, None, :]
+    vals = inside * val[:, None, None]
     flat_canvas.scatter_reduce_(0, flat.view(-1), vals.view(-1), "amax")
