@@ -100,10 +100,11 @@ class RouteScenarios(Part):
         c, tab, st = s.scn, self.tab, self.setup
         draws = torch.randn(c.status.shape + (2,), generator=st.gen, device=st.device)  # every row's, as in step()
         noise = torch.zeros_like(action)
-        rows = torch.nonzero(((c.status == LIVE) | c.near).any(1)).flatten()  # the others have no noise to add
+        live = (c.status == LIVE) & (tab.type[c.scn] == LOSS)
+        rows = torch.nonzero((live | c.near).any(1)).flatten()  # the others have no noise to add
         if len(rows):
             scn, was_near = c.scn[rows], c.near[rows]
-            live = (c.status[rows] == LIVE) & (tab.type[scn] == LOSS) & (c.patch[rows] < 3)
+            live = live[rows] & (c.patch[rows] < 3)
             at = lambda x, patch: x.gather(  # noqa: E731 - x [R,K,3,2] at each scenario's patch
                 2, patch.clamp(max=2)[..., None, None].expand(-1, -1, 1, 2)).squeeze(2)
             gap = (at(tab.patch_xy[scn], c.patch[rows]) - s.ego_xy[rows].unsqueeze(1)).norm(dim=-1)
