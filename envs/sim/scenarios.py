@@ -60,35 +60,55 @@ class RouteScenarios(Part):
         self.settling = torch.zeros(setup.num_envs, dtype=torch.bool, device=setup.device)  # busy at the last step
         self._overrides_from: tuple[tuple[Tensor, int], ...] = ()  # what _overrides was built from
         self._overrides_value: tuple[Tensor, ...] = ()
+        self._fresh = self._fresh_routes() if self.on else None
 
     # ------------------------------------------------------------------ fresh episodes
     def reset(self, s: SimState, rows: Tensor) -> None:
+        """A fresh episode's scenario state and what its slots show before any activation (the blockers, the waiting
+        cyclist): gathered from every route's, built once (:meth:`_fresh_routes`); the draws (ControlLoss's noise
+        signs, the flow cars' sizes) are the episode's own."""
         st, dev = self.setup, self.setup.device
-        B = len(rows)
-        scn = self.tab.route_scn[s.route_id] if self.on else torch.full((B, 1), -1, dtype=torch.long, device=dev)
-        scn = torch.where(scn >= 0, scn, torch.full_like(scn, self.pad if self.on else 0))
-        K, G, F = scn.shape[1], NUM_GROUPS, FLOW_SLOTS
+        B, G, F = len(rows), NUM_GROUPS, FLOW_SLOTS
+        if not self.on:  # no draws on a world without scenarios: its random stream stays as it was
+            s.scn = self._fresh_state(torch.zeros((B, 1), dtype=torch.long, device=dev),
+                                      torch.ones(B, 1, 3, 2, device=dev), torch.ones(B, G, F, 2, device=dev))
+            return
+        fresh, values = self._fresh
+        drawn = ("signs", "act_half")
+        signs = torch.where(torch.rand((B, fresh.scn.shape[1], 3, 2), generator=st.gen, device=dev) < 0.5, -1.0, 1.0)
+        c = ScenarioState(signs=signs, act_half=sizes((B, G, F), st.gen, dev), **{
+            f.name: getattr(fresh, f.name)[s.route_id] for f in dataclasses.fields(fresh) if f.name not in drawn})
+        s.scn = c
+        self._put_slots(s, tuple((kind, name, first, v[s.route_id]) for kind, name, first, v in values))
+        s.veh.half[:, self.veh0:self.veh0 + F] = c.act_half[:, 0]  # the flow cars' drawn sizes
+
+    def _fresh_routes(self) -> tuple[ScenarioState, tuple[tuple[str, str, int, Tensor], ...]]:
+        """Every route's fresh scenario state and slot values ([NR, ...]; unit noise signs and sizes, which a reset
+        draws)."""
+        tab, dev = self.tab, self.setup.device
+        scn = torch.where(tab.route_scn >= 0, tab.route_scn, torch.full_like(tab.route_scn, self.pad))
+        NR, K = scn.shape
+        c = self._fresh_state(scn, torch.ones(NR, K, 3, 2, device=dev),
+                              torch.ones(NR, NUM_GROUPS, FLOW_SLOTS, 2, device=dev))
+        self._assign_groups(c)
+        g = self.group_scenario(c)
+        self._show_singles(c, g, torch.zeros_like(g, dtype=torch.bool))
+        return c, self._slot_values(c, g)
+
+    @staticmethod
+    def _fresh_state(scn: Tensor, signs: Tensor, half: Tensor) -> ScenarioState:
+        """Scenarios ``scn`` [B, K] all pending, no actor shown (``signs`` [B, K, 3, 2], ``half`` [B, G, F, 2])."""
+        (B, K), G, F, dev = scn.shape, NUM_GROUPS, FLOW_SLOTS, scn.device
         zk, zb = torch.zeros(B, K, device=dev), torch.zeros(B, K, dtype=torch.bool, device=dev)
-        if self.on:  # no draws on a world without scenarios: its random stream stays as it was
-            signs = torch.where(torch.rand((B, K, 3, 2), generator=st.gen, device=dev) < 0.5, -1.0, 1.0)
-            half = sizes((B, G, F), st.gen, dev)
-        else:
-            signs, half = torch.ones(B, K, 3, 2, device=dev), torch.ones(B, G, F, 2, device=dev)
-        s.scn = ScenarioState(
+        return ScenarioState(
             scn=scn, status=torch.zeros(B, K, dtype=torch.long, device=dev), t_act=zk.clone(), act_m=zk.clone(),
             fin_m=zk + math.inf, moving=zb.clone(), collided=zb.clone(), hit=zb.clone(), timed_out=zb.clone(),
-            preempted=zb.clone(),
-            patch=torch.zeros(B, K, dtype=torch.long, device=dev), near=zb.clone(), signs=signs,
+            preempted=zb.clone(), patch=torch.zeros(B, K, dtype=torch.long, device=dev), near=zb.clone(), signs=signs,
             owner=torch.full((B, G), K, dtype=torch.long, device=dev), act_s=torch.zeros(B, G, F, device=dev),
             act_v=torch.zeros(B, G, F, device=dev), act_alive=torch.zeros(B, G, F, dtype=torch.bool, device=dev),
             act_half=half, next_gap=torch.zeros(B, G, device=dev),
             prev_collisions=torch.zeros(B, dtype=torch.long, device=dev),
             timeouts=torch.zeros(B, dtype=torch.long, device=dev))
-        if self.on:  # what a fresh episode shows before any activation: the blockers and the waiting cyclist
-            self._assign_groups(s.scn)
-            g = self.group_scenario(s.scn)
-            self._show_singles(s.scn, g, torch.zeros_like(g, dtype=torch.bool))
-            self._write(s, g)
 
     # ------------------------------------------------------------------ the step
     def control(self, s: SimState, action: Tensor) -> Tensor:
