@@ -192,16 +192,22 @@ class Expert:
         ego_he = (env.ego_half + torch.tensor(MARGIN, device=env.device)).view(-1, 1, 1, 2)
         path_yaw = _headings(path)
 
-        def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the actor meets the ego going ``ego_d``
-            ego_at, ego_yaw, gone = _ego_track(path, path_yaw, dist_along, s.ego_xy, s.ego_yaw, ego_d)
-            close = boxes_overlap(ego_at.unsqueeze(1), ego_yaw.unsqueeze(1), ego_he, actor_at, actor_yaw,
-                                  a_half.unsqueeze(2))  # [B,N,T]
-            return (close & within & ~gone.unsqueeze(1)).any(-1)
-
         local = to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
         follower = (local[..., 0] < 0) & (torch.cos(a_yaw - s.ego_yaw.unsqueeze(1)) > 0.8)
         counted = a_valid & (~follower | reckless)  # standing ones too, for a launch
         considered = counted & (a_speed > 0.5)
+        # the (row, actor) pairs a meeting can matter for (one host sync): every use is masked by ``counted``, and
+        # the others' forecasts are most of the [B, N, T] boxes
+        b, n = counted.nonzero(as_tuple=True)
+        pair_at, pair_yaw, pair_half = actor_at[b, n], actor_yaw[b, n], a_half[b, n].unsqueeze(1)  # [P,T,...]
+
+        def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the counted actor meets the ego going ``ego_d``
+            ego_at, ego_yaw, gone = _ego_track(path, path_yaw, dist_along, s.ego_xy, s.ego_yaw, ego_d)
+            close = boxes_overlap(ego_at[b], ego_yaw[b], ego_he[b, 0], pair_at, pair_yaw, pair_half)  # [P,T]
+            met = torch.zeros_like(counted)
+            met[b, n] = (close & within[n] & ~gone[b]).any(-1)
+            return met
+
         # scenario streams over the whole forecast: a gap too short for the turn is not started into
         within = in_cruise | reckless.unsqueeze(-1)  # [N,T]
         threat = meets(cruise, within) & considered  # [B,N]
@@ -245,19 +251,14 @@ class Expert:
 def _sweeps(path: Tensor, actor_at: Tensor, clearance: Tensor, within: Tensor, considered: Tensor) -> Tensor:
     """[B,K,N]: whether considered actor n (``considered`` [B,N]; False for the others, which hold nobody) comes
     within ``clearance`` [B,N] of path point k ([B,K,2]) at a forecast time ``within`` ([N,T]) allows, its forecast
-    ``actor_at`` [B,N,T,2]. Only the considered actors are measured (every row as many as the row with the most: one
-    host sync), as the distances of all of them to every path point at every time are the expert's largest tensor."""
+    ``actor_at`` [B,N,T,2]. Only the considered (row, actor) pairs are measured (one host sync), as the distances of
+    all of them to every path point at every time are the expert's largest tensor."""
     B, K = path.shape[:2]
-    N, T = actor_at.shape[1:3]
-    M = max(1, int(considered.sum(-1).max()))
-    pick = considered.float().topk(M, dim=-1).indices  # [B,M] the considered ones first
-    at = actor_at.gather(1, pick[..., None, None].expand(-1, -1, T, 2))  # [B,M,T,2]
-    near = torch.cdist(path, at.flatten(1, 2), compute_mode="donot_use_mm_for_euclid_dist").view(B, K, M, T)
-    allowed = within.expand(B, N, T).gather(1, pick.unsqueeze(-1).expand(-1, -1, T))  # [B,M,T]
-    hit = ((near < clearance.gather(1, pick)[:, None, :, None]) & allowed.unsqueeze(1)).any(-1)  # [B,K,M]
-    hit &= considered.gather(1, pick).unsqueeze(1)
-    out = torch.zeros(B, K, N, dtype=torch.bool, device=path.device)
-    return out.scatter(2, pick.unsqueeze(1).expand(-1, K, -1), hit)
+    b, n = considered.nonzero(as_tuple=True)  # [P]
+    near = torch.cdist(path[b], actor_at[b, n], compute_mode="donot_use_mm_for_euclid_dist")  # [P,K,T]
+    out = torch.zeros(B, K, considered.shape[1], dtype=torch.bool, device=path.device)
+    out[b, :, n] = ((near < clearance[b, n][:, None, None]) & within[n].unsqueeze(1)).any(-1)  # [P,K]
+    return out
 
 
 def _wait_back(swept: Tensor, a_speed: Tensor, a_yaw: Tensor, path_yaw: Tensor) -> tuple[Tensor, Tensor]:
