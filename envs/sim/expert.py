@@ -213,7 +213,9 @@ class Expert:
         threat = meets(cruise, within) & considered  # [B,N]
         # where to wait: the first path point a (non-following) threat sweeps within the cruise horizon
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 1.0  # [B,N]
-        sweeps = _sweeps(path, actor_at, clearance, within, considered)  # [B,K,N]
+        # measured only where read below: the threats' sweeps and the fast scenario streams'
+        read = considered & ~follower & (threat | (reckless & (a_speed > FAST)))
+        sweeps = _sweeps(path, actor_at, clearance, within, read)  # [B,K,N]
         swept = sweeps & (threat & ~follower).unsqueeze(1)
         # into or across a fast scenario stream the ego goes only by a launch, so that the next car, which may
         # appear at the stream's source any time, finds it already through
@@ -249,7 +251,7 @@ class Expert:
 
 
 def _sweeps(path: Tensor, actor_at: Tensor, clearance: Tensor, within: Tensor, considered: Tensor) -> Tensor:
-    """[B,K,N]: whether considered actor n (``considered`` [B,N]; False for the others, which hold nobody) comes
+    """[B,K,N]: whether actor n of the pairs to measure (``considered`` [B,N]; False for the others: no sweep) comes
     within ``clearance`` [B,N] of path point k ([B,K,2]) at a forecast time ``within`` ([N,T]) allows, its forecast
     ``actor_at`` [B,N,T,2]. Only the considered (row, actor) pairs are measured (one host sync), as the distances of
     all of them to every path point at every time are the expert's largest tensor."""
