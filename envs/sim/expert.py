@@ -7,6 +7,7 @@ lights, and stop signs until it has stopped. Batched like the simulator: one cal
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -196,21 +197,11 @@ class Expert:
         follower = (local[..., 0] < 0) & (torch.cos(a_yaw - s.ego_yaw.unsqueeze(1)) > 0.8)
         counted = a_valid & (~follower | reckless)  # standing ones too, for a launch
         considered = counted & (a_speed > 0.5)
-        # the (row, actor) pairs a meeting can matter for (one host sync): every use is masked by ``counted``, and
-        # the others' forecasts are most of the [B, N, T] boxes
-        b, n = counted.nonzero(as_tuple=True)
-        pair_at, pair_yaw, pair_half = actor_at[b, n], actor_yaw[b, n], a_half[b, n].unsqueeze(1)  # [P,T,...]
-
-        def meets(ego_d: Tensor, within: Tensor) -> Tensor:  # [B,N]: the counted actor meets the ego going ``ego_d``
-            ego_at, ego_yaw, gone = _ego_track(path, path_yaw, dist_along, s.ego_xy, s.ego_yaw, ego_d)
-            close = boxes_overlap(ego_at[b], ego_yaw[b], ego_he[b, 0], pair_at, pair_yaw, pair_half)  # [P,T]
-            met = torch.zeros_like(counted)
-            met[b, n] = (close & within[n] & ~gone[b]).any(-1)
-            return met
-
+        pairs = _Pairs.of(counted, actor_at, actor_yaw, a_half)
+        track = lambda ego_d: _ego_track(path, path_yaw, dist_along, s.ego_xy, s.ego_yaw, ego_d)  # noqa: E731
         # scenario streams over the whole forecast: a gap too short for the turn is not started into
         within = in_cruise | reckless.unsqueeze(-1)  # [N,T]
-        threat = meets(cruise, within) & considered  # [B,N]
+        threat = pairs.meet(track(cruise), ego_he, within) & considered  # [B,N]
         # where to wait: the first path point a (non-following) threat sweeps within the cruise horizon
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 1.0  # [B,N]
         # measured only where read below: the threats' sweeps and the fast scenario streams'
@@ -221,7 +212,8 @@ class Expert:
         # appear at the stream's source any time, finds it already through
         stream = (sweeps.any(1) & considered & ~follower & reckless & (a_speed > FAST)).any(-1)
         only_scenario = ~(threat & ~reckless).any(-1)  # never launched past pedestrians or the background traffic
-        launch = (threat.any(-1) | stream) & only_scenario & ~(meets(rush, within) & counted).any(-1)
+        rushed = pairs.meet(track(rush), ego_he, within) & counted
+        launch = (threat.any(-1) | stream) & only_scenario & ~rushed.any(-1)
         first = torch.where(swept.any(-1), dist_along, torch.full_like(dist_along, 1e3)).min(1).values
         back, fast = _wait_back(swept, a_speed, a_yaw, path_yaw)
         # no safe launch, but stopping would not help: a stream's car closing in from behind, or a fast stream's
@@ -248,6 +240,34 @@ class Expert:
                                          | is_sign & ~s.stop_done.unsqueeze(1))
         # IDM halts ~2 m short of an obstacle: aim 1 m past the line point so the centre stops ~3 m before it
         return torch.where(must, (ahead - 1.0).clamp(min=0.0), torch.full_like(to_line, 1e3)).min(1).values
+
+
+@dataclass
+class _Pairs:
+    """The (row, actor) pairs a meeting with the ego can matter for (the counted actors; every use is masked by them,
+    and the others' forecasts are most of the [B, N, T] box tests), with their forecasts ([P, T, ...])."""
+
+    b: Tensor
+    n: Tensor
+    at: Tensor
+    yaw: Tensor
+    half: Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, counted: Tensor, actor_at: Tensor, actor_yaw: Tensor, a_half: Tensor) -> _Pairs:
+        b, n = counted.nonzero(as_tuple=True)  # one host sync
+        return cls(b, n, actor_at[b, n], actor_yaw[b, n], a_half[b, n].unsqueeze(1), tuple(counted.shape))
+
+    def meet(self, track: tuple[Tensor, Tensor, Tensor], ego_he: Tensor, within: Tensor) -> Tensor:
+        """[B,N]: whether the pair's actor meets the ego on ``track`` (:func:`_ego_track`) at a time ``within``
+        [N,T] allows (False off the pairs)."""
+        ego_at, ego_yaw, gone = track
+        b, n = self.b, self.n
+        close = boxes_overlap(ego_at[b], ego_yaw[b], ego_he[b, 0], self.at, self.yaw, self.half)  # [P,T]
+        met = torch.zeros(self.shape, dtype=torch.bool, device=close.device)
+        met[b, n] = (close & within[n] & ~gone[b]).any(-1)
+        return met
 
 
 def _sweeps(path: Tensor, actor_at: Tensor, clearance: Tensor, within: Tensor, considered: Tensor) -> Tensor:
