@@ -122,11 +122,13 @@ class Expert:
         a_dir = torch.stack((torch.cos(a_yaw), torch.sin(a_yaw)), -1)
         future = a_xy + a_dir * (a_speed * 1.5).unsqueeze(-1)
         clearance = env.ego_half[:, 1:2] + a_half[..., 1] + 1.0  # [B,N]
-        d_now = (path.unsqueeze(2) - a_xy.unsqueeze(1)).norm(dim=-1)  # [B,K,N]
-        d_fut = (path.unsqueeze(2) - future.unsqueeze(1)).norm(dim=-1)
-        blocked = ((d_now < clearance.unsqueeze(1)) | (d_fut < clearance.unsqueeze(1))) & a_valid.unsqueeze(1)
-        # ignore what is behind the ego (its own route behind is not on the path anyway)
-        blocked &= (to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))[..., 0] > 0).unsqueeze(1)
+        # only the valid actors ahead (what is behind the ego is ignored; its own route behind is not on the path
+        # anyway): their (row, actor) pairs, one host sync
+        b, n = (a_valid & (to_local(a_xy, s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))[..., 0] > 0)).nonzero(
+            as_tuple=True)
+        d_now = (path[b] - a_xy[b, n].unsqueeze(1)).norm(dim=-1)  # [P,K]
+        d_fut = (path[b] - future[b, n].unsqueeze(1)).norm(dim=-1)
+        blocked = (d_now < clearance[b, n].unsqueeze(1)) | (d_fut < clearance[b, n].unsqueeze(1))
         # gap acceptance: a moving actor that would be where the ego would be, at the same time within the forecast,
         # if the ego went on (crossing and merging streams), holds the ego before the first path point it sweeps,
         # unless a launch into the gap meets nobody; a launch then minds only what the forecast did not check
@@ -142,10 +144,13 @@ class Expert:
             torch.cat((a_valid, u_valid), 1), torch.cat((a_yaw, u_yaw), 1),
             torch.cat((reckless, torch.ones(U, dtype=torch.bool, device=dev))),
             scripted)
-        blocked &= ~(launch.unsqueeze(1) & forecast[:, :N]).unsqueeze(1)
-        gap_k = torch.where(blocked.any(-1), dist_along, torch.full_like(dist_along, 1e3))
+        blocked &= ~(launch[b] & forecast[b, n]).unsqueeze(1)
+        first_obs = torch.full((B, dist_along.shape[1], N), 1e3, device=dev)  # [B,K,N]
+        first_obs[b, :, n] = torch.where(blocked, d_now, torch.full_like(d_now, 1e3))
+        any_k = torch.zeros(B, dist_along.shape[1], dtype=torch.long, device=dev).index_put_(
+            (b,), blocked.long(), accumulate=True) > 0  # [B,K]: some actor blocks path point k
+        gap_k = torch.where(any_k, dist_along, torch.full_like(dist_along, 1e3))
         gap, kk = gap_k.min(1)
-        first_obs = torch.where(blocked, d_now, torch.full_like(d_now, 1e3))
         lead = torch.gather(first_obs, 1, kk.view(B, 1, 1).expand(B, 1, first_obs.shape[2])).squeeze(1).argmin(-1)
         lead_v = (a_speed * torch.cos(a_yaw - s.ego_yaw.unsqueeze(1))).gather(1, lead.unsqueeze(1)).squeeze(1)
         gap = gap - env.ego_half[:, 0] - 1.0
