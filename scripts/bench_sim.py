@@ -19,7 +19,9 @@ ms_per_step within 20 % of a single town's at the same batch. Each line carries 
 ``--vector``: also time the vector observation (``env.options.observation=vector``) at each batch; a ``vector_cost``
 line gives its cost beside no observation. Target (issue 24): at most 25 % at batch 1024 on 2 cores.
 ``--path-conflicts`` (with ``--vector``): also the vector observation with ``vector.path_conflicts`` (the towns_vector
-recipe's), observation ``vector+paths``, with its own cost line.
+recipe's), observation ``vector+paths``, with its own cost line. ``--compile`` (with ``--vector``): the vector
+observation's stages compiled (``env.options.vector.compile``, as the vector presets run them); each batch size
+compiles before its timing starts.
 
 ``--scenario-densities``: scenarios per km on the random routes (``env.options.scenario_density``; longest6 v2 carries
 7.4). Target (issue 23): ms_per_step with scenarios within 15 % of the same run without them; with a density of 0
@@ -67,7 +69,7 @@ def world_mb(env) -> float:
 
 
 def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, traffic: bool,
-          world: str = "procedural", scenario_density: float = 0.0) -> dict:
+          world: str = "procedural", scenario_density: float = 0.0, compile_vector: bool = False) -> dict:
     """``bev_size``: a BEV size, None (no observation beyond the measurements), "vector" or "vector+paths" (with
     path conflicts)."""
     observation = bev_size if bev_size in ("vector", "vector+paths") else None
@@ -75,7 +77,7 @@ def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, t
                    scenario_density=scenario_density, **world_options(world))
     if observation:
         options["observation"], bev_size = "vector", None
-        options["vector"] = {"path_conflicts": observation == "vector+paths"}
+        options["vector"] = {"path_conflicts": observation == "vector+paths", "compile": compile_vector}
     if bev_size is not None:
         options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
     t_load = time.perf_counter()
@@ -98,6 +100,7 @@ def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, t
     elapsed = time.perf_counter() - t0
     return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
             "observation": observation or ("bev" if bev_size is not None else "none"),
+            "compiled": bool(observation and compile_vector),
             "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
             "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
             "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
@@ -129,11 +132,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batches", type=int, nargs="*", default=None)
     p.add_argument("--bev-sizes", type=int, nargs="*", default=None, help="BEV sizes to time besides 'none'")
+    p.add_argument("--no-bev", action="store_true", help="time no BEV (only 'none' and the vector observation)")
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-traffic", action="store_true")
     p.add_argument("--vector", action="store_true", help="also time the vector observation at each batch")
     p.add_argument("--path-conflicts", action="store_true", help="with --vector: also with vector.path_conflicts")
+    p.add_argument("--compile", action="store_true", help="with --vector: its stages compiled (vector.compile)")
     p.add_argument("--scenario-densities", type=float, nargs="*", default=[0.0],
                    help="route scenarios per km on the random routes (0: none)")
     p.add_argument("--worlds", nargs="*", default=["procedural"],
@@ -142,7 +147,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     batches = args.batches or ([1, 64, 256, 1024, 16384, 65536] if cuda else [1, 64, 256, 1024])
-    bev_sizes = args.bev_sizes or ([128, 256] if cuda else [128])
+    bev_sizes = [] if args.no_bev else args.bev_sizes or ([128, 256] if cuda else [128])
     results = []
     for world in args.worlds:
         vectors = (["vector", *(["vector+paths"] if args.path_conflicts else [])] if args.vector else [])
@@ -151,7 +156,8 @@ def main() -> None:
                 if isinstance(bev, int) and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
                     continue  # observation alone would not fit
                 for density in args.scenario_densities:
-                    r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world, density)
+                    r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world, density,
+                              args.compile)
                     results.append(r)
                     print(json.dumps(r), flush=True)
     for r in results:
@@ -159,7 +165,8 @@ def main() -> None:
             base = next(b for b in results if b["observation"] == "none" and b["batch"] == r["batch"]
                         and b["world"] == r["world"] and b["scenario_density"] == r["scenario_density"])
             print(json.dumps({"vector_cost": round(r["ms_per_step"] / base["ms_per_step"] - 1.0, 3),
-                              "observation": r["observation"], "batch": r["batch"], "world": r["world"],
+                              "observation": r["observation"], "compiled": r["compiled"], "batch": r["batch"],
+                              "world": r["world"],
                               "scenario_density": r["scenario_density"], "target": 0.25, "cpu": r["cpu"]}), flush=True)
     for r in results:
         if r["scenario_density"] > 0:

@@ -174,7 +174,7 @@ def test_the_next_stop_line_with_its_light_and_distance_along_the_route() -> Non
     env = make_env()
     place(env, 120.0, W, 0.0, 120)
     red = lambda group: (torch.full_like(group, 2), torch.zeros(group.shape))  # noqa: E731
-    obs = env.observer.stops(env.state, red)[0]
+    obs = env.observer.observe(env.state, red)[OBS_STOPS][0]
     f = F[OBS_STOPS]
     assert obs[0, f["ahead_m"]].item() == pytest.approx(79.0, abs=1e-3)
     assert obs[0, f["x_m"]].item() == pytest.approx(80.0, abs=1e-3) and obs[0, f["y_m"]].item() == pytest.approx(0.0)
@@ -278,3 +278,51 @@ def test_episodes_of_a_vector_policy_are_recorded_with_the_bev_of_the_state() ->
         frames[observation], _ = record_episode(env, drive, max_steps=5, scale=1)
     assert len(frames["vector"]) == 5
     assert all(np.array_equal(a, b) for a, b in zip(frames["vector"], frames["bev"]))
+
+
+def test_compiled_stages_observe_what_the_uncompiled_stages_do(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """``vector.compile``: the same observation (to float rounding: inductor reorders sums) and the same rewards over 30
+    steps with traffic, route scenarios and their light overrides (torch's compiled code cached in ``tmp_path``)."""
+    from envs import make_env as build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    opts = dict(bev=False, observation="vector", traffic=True, num_routes=16, scenario_density=7.4, town_seeds=(0,))
+    envs = [build("sim", 8, "cpu", 0, vector={"compile": c}, **opts) for c in (False, True)]
+    obs = [e.reset() for e in envs]
+    actions = torch.rand(30, 8, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor([0.2, 1.2]) - torch.tensor(
+        [0.1, 0.2])
+    for t in range(31):
+        for key in obs[0]:
+            torch.testing.assert_close(obs[1][key], obs[0][key], atol=1e-4, rtol=1e-5, msg=f"step {t}, {key}")
+        if t < 30:
+            results = [e.step(actions[t]) for e in envs]
+            assert torch.equal(results[0].reward, results[1].reward)
+            obs = [r.obs for r in results]
+
+
+def test_a_platform_that_cannot_compile_names_the_option(tmp_path) -> None:  # noqa: ANN001
+    """No working C++ compiler: a ConfigError naming env.options.vector.compile and the fix, at the first observation
+    (a subprocess: the compiler setting is process-wide; its own inductor cache, so nothing is left behind)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = textwrap.dedent("""
+        import torch._inductor.config as ic
+        ic.cpp.cxx = ("/nonexistent/c++",)
+        from envs import make_env
+        from envs.config import ConfigError
+        env = make_env("sim", 2, "cpu", 0, bev=False, observation="vector", traffic=False, num_routes=2,
+                       town_seeds=(0,), vector={"compile": True})
+        try:
+            env.reset()
+        except ConfigError as e:
+            print("ConfigError:", e)
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert re.search(r"ConfigError: env\.options\.vector\.compile=true: torch\.compile cannot compile .*"
+                     r"set env\.options\.vector\.compile=false", out.stdout), out.stdout + out.stderr[-2000:]

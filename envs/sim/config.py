@@ -30,6 +30,10 @@ class VectorConfig:
     # vehicles and pedestrians also say where (route metres ahead) and when (s) their constant-velocity path first
     # meets the route ahead (envs.api.PATH_FEATURES): the gap to accept in a stream, the time a car behind needs
     path_conflicts: bool = False
+    # torch.compile the observation's fixed-shape stages (route, actors, stop lines): ~2x faster on a 2-core CPU at
+    # batch 1024 (docs/simulator.md, "Compiled stages"); each batch size compiles on its first step (seconds, cached
+    # on disk by torch); needs a C++ compiler torch inductor supports
+    compile: bool = False
 
     def validate(self, prefix: str) -> None:
         checks = Checks()

@@ -32,6 +32,7 @@ from envs.api import (LAYOUT_VECTOR, MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, 
 from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
+from envs.sim.compiled import compiled
 from envs.sim.config import VectorConfig
 from envs.sim.geometry import to_local
 from envs.sim.infractions import lane_measures
@@ -241,6 +242,12 @@ class VectorObserver(Observer):
                                                                           (OBS_PEDESTRIANS, "pedestrians"),
                                                                           (OBS_STATICS, "statics"))}}
         self.offsets = torch.arange(1, vc.route_points + 1, device=setup.device) * vc.route_spacing
+        # the observation in two stages around the light lookup (the light part's and the scenarios', which hold
+        # state between calls): each compiled as one graph with vector.compile
+        self._stop_lines, self._features = self.stop_lines, self.features
+        if vc.compile:
+            self._stop_lines, self._features = (compiled(f, "env.options.vector.compile")
+                                                for f in (self.stop_lines, self.features))
 
     def spec(self) -> dict[str, TensorSpec]:
         spec = {OBS_MEASUREMENTS: TensorSpec((len(MEASUREMENTS),), torch.float32, names=MEASUREMENTS),
@@ -251,13 +258,21 @@ class VectorObserver(Observer):
         return spec
 
     def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
+        stop, dist, sign = self._stop_lines(s)
+        state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), self.setup.world.stop_group[stop]))
+        return self._features(s, speed_limit, stop, dist, sign, state, yellow_left)
+
+    def features(self, s, speed_limit: Tensor | None, stop: Tensor, dist: Tensor, sign: Tensor,  # noqa: ANN001
+                 state: Tensor, yellow_left: Tensor) -> dict[str, Tensor]:
+        """Every key of the observation, given the next stop lines and their lights (:meth:`stop_lines`)."""
         w, cfg = self.setup.world, self.setup.cfg
         if speed_limit is None:
             speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]
         route, frame = self.route(s)
         return {OBS_MEASUREMENTS: measurements(s, speed_limit),
                 OBS_VALUE_MEASUREMENTS: value_measurements(w, s, cfg, cfg.reward),
-                OBS_ROUTE: route, OBS_LANES: self.lanes(s), **self.actors(s, frame), OBS_STOPS: self.stops(s, lights)}
+                OBS_ROUTE: route, OBS_LANES: self.lanes(s), **self.actors(s, frame),
+                OBS_STOPS: self.stop_features(s, stop, dist, sign, state, yellow_left)}
 
     def route(self, s) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:  # noqa: ANN001
         """The route every ``route_spacing`` m ahead of the ego's route point (invalid past the route's end), and the
@@ -327,8 +342,9 @@ class VectorObserver(Observer):
         _, idx = torch.topk(d, k, dim=1, largest=False)
         return torch.gather(f, 1, idx.unsqueeze(-1).expand(-1, -1, f.shape[-1]))
 
-    def stops(self, s, lights: LightFn) -> Tensor:  # noqa: ANN001
-        """The next ``stops`` stop lines on the route that the ego has not passed, nearest first, with their light."""
+    def stop_lines(self, s) -> tuple[Tensor, Tensor, Tensor]:  # noqa: ANN001
+        """The next ``stops`` stop lines ahead (stop-line ids, route metres to them: inf where none, stop sign or
+        not), [B, stops] each."""
         w, k = self.setup.world, self.setup.cfg.vector.stops
         stop, ev_idx, near = upcoming_stop_lines(w, s.route_id, s.route_idx)
         ahead = stop_lines_ahead(w, s.route_id, s.route_idx, ev_idx)
@@ -336,10 +352,14 @@ class VectorObserver(Observer):
         if key.shape[1] < k:
             key = torch.cat((key, key.new_full((key.shape[0], k - key.shape[1]), math.inf)), 1)
         dist, idx = torch.topk(key, k, dim=1, largest=False)
-        valid = torch.isfinite(dist)
         stop = torch.gather(stop, 1, idx.clamp(max=stop.shape[1] - 1))
-        sign = w.stop_control[stop] == CONTROL_STOP
-        state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), w.stop_group[stop]))
+        return stop, dist, w.stop_control[stop] == CONTROL_STOP
+
+    def stop_features(self, s, stop: Tensor, dist: Tensor, sign: Tensor, state: Tensor,  # noqa: ANN001
+                      yellow_left: Tensor) -> Tensor:
+        """The stop lines' features (``envs.api.VECTOR_FEATURES``) from :meth:`stop_lines` and their lights."""
+        w = self.setup.world
+        valid = torch.isfinite(dist)
         light = ~sign
         first_sign = sign & (torch.cumsum(sign.long(), 1) == 1)  # stop_done refers to the next sign
         line_xy = to_local(w.stop_xy[stop], s.ego_xy.unsqueeze(1), s.ego_yaw.unsqueeze(1))
