@@ -53,6 +53,7 @@ from carl.ppo import PPOTrainer
 from carl.run_checkpoints import Checkpoints
 from carl.runlock import RunLock, claim_run_dir
 from envs.api import BatchedEnv
+from envs.compiled import compiled
 
 
 
@@ -302,8 +303,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     say(f"run folder: {run_dir}", flush=True)
     if loaded:
         say(loaded, flush=True)
-    if cfg.parallel.compile:
-        policy.compile()
+    if cfg.parallel.compile:  # the module's own forward, so DDP, checkpoints and export see the same parameters
+        policy.forward = compiled(policy.forward, "parallel.compile", dynamic=None)
     try:
         sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method (its stats only); DDP broadcasts rank 0's weights
     except ValueError as exc:

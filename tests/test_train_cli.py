@@ -29,8 +29,8 @@ TINY = [
 ]
 
 
-def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "carl.train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -65,6 +65,20 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     made2 = again_made["extra"]["provenance"]  # the wall time of both runs, and the first run's command
     assert made2["seconds_before"] == made["seconds"] and made2["seconds"] > made["seconds"]
     assert made2["runs_before"] == [{k: made[k] for k in ("command", "commit", "cpu")}]
+
+
+def test_a_compiled_network_trains_on_cpu_and_saves_the_plain_module_s_weights(tmp_path: Path) -> None:
+    """``parallel.compile=true`` on CPU: the run trains through the compiled forward (its torch cache in
+    ``tmp_path``), and last.pt holds the same parameter names as an uncompiled run's, so evaluation, export and
+    init_from read it."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    plain = run([*TINY, "logging.eval_episodes=0", f"run_dir={tmp_path / 'plain'}"])
+    done = run([*TINY, "logging.eval_episodes=0", "parallel.compile=true", f"run_dir={tmp_path / 'compiled'}"],
+               timeout=600, env=env)
+    assert plain.returncode == 0 and done.returncode == 0, done.stderr[-3000:]
+    assert "update 2/2" in done.stdout
+    weights = [torch.load(tmp_path / d / "last.pt", weights_only=True)["model"] for d in ("plain", "compiled")]
+    assert list(weights[1]) == list(weights[0])
 
 
 def test_the_final_evaluation_scores_last_and_best_on_its_own_routes(tmp_path: Path) -> None:

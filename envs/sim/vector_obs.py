@@ -32,7 +32,7 @@ from envs.api import (LAYOUT_VECTOR, MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, 
 from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
-from envs.sim.compiled import compiled
+from envs.compiled import compiled
 from envs.sim.config import VectorConfig
 from envs.sim.geometry import to_local
 from envs.sim.infractions import lane_measures

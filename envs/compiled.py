@@ -1,9 +1,10 @@
-"""``torch.compile`` for the step's fixed-shape stages, where it pays, with a clear error where it cannot run.
+"""``torch.compile`` where it pays, with a clear error where it cannot run: the simulator's fixed-shape stages
+(``env.options.vector.compile``) and the trainer's network (``parallel.compile``).
 
 On a 2-core CPU a stage of a few dozen small ops over [B, N, F] tensors costs its op count (~3-20 µs each, the
 dispatch and one pass over memory per op) more than its arithmetic; inductor fuses such a stage into a few C++
-loops (docs/simulator.md, "Compiled stages"). Shapes are static (``dynamic=False``): a batch size compiles once,
-on its first call (seconds; torch caches the code on disk), then every call reuses it.
+loops (docs/simulator.md, "Compiled stages"; docs/training.md, "Throughput"). A shape compiles on its first call
+(seconds; torch caches the code on disk), then every call reuses it.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ F = TypeVar("F", bound=Callable)
 FAILURES = (BackendCompilerFailed, InductorError, TorchDynamoException)
 
 
-def compiled(fn: F, key: str) -> F:
-    """``fn`` compiled (static shapes); a platform that cannot compile it (no C++ compiler, an unsupported
-    architecture) raises a :class:`ConfigError` naming ``key``, the option that asked for it, and the fix."""
-    compiled_fn = torch.compile(fn, dynamic=False)
+def compiled(fn: F, key: str, dynamic: bool | None = False) -> F:
+    """``fn`` compiled (``dynamic`` as torch.compile's: False = a graph per shape, None = one that generalises once a
+    second shape comes); a platform that cannot compile it (no C++ compiler, an unsupported architecture) raises a
+    :class:`ConfigError` naming ``key``, the option that asked for it, and the fix."""
+    compiled_fn = torch.compile(fn, dynamic=dynamic)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the stage's own signature
