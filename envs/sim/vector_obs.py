@@ -29,10 +29,10 @@ from torch import Tensor
 from envs.api import (LAYOUT_VECTOR, MEASUREMENTS, OBS_LANES, OBS_MEASUREMENTS, OBS_PEDESTRIANS, OBS_ROUTE,
                       OBS_STATICS, OBS_STOPS, OBS_VALUE_MEASUREMENTS, OBS_VEHICLES, PATH_HORIZON_S, PATH_MEET_M,
                       PATH_SETS, VALUE_MEASUREMENTS, TensorSpec, vector_features)
+from envs.compiled import compiled
 from envs.config import ConfigError
 from envs.maps.lanegraph import CONTROL_STOP
 from envs.sim.agents import LIGHT_BRAKE, LIGHT_EMERGENCY
-from envs.compiled import compiled
 from envs.sim.config import VectorConfig
 from envs.sim.geometry import to_local
 from envs.sim.infractions import lane_measures
