@@ -32,6 +32,7 @@ from torch import nn
 
 from carl.config import ModelConfig
 from envs.api import OBS_BEV, OBS_MEASUREMENTS, OBS_VALUE_MEASUREMENTS, TensorSpec
+from envs.compiled import compiled
 
 # (out_channels, kernel, stride) of CaRL's roach_ln2 encoder at 256x256.
 CARL_CONV_TABLE: tuple[tuple[int, int, int], ...] = (
@@ -348,3 +349,9 @@ def make_policy(observation_spec: dict[str, TensorSpec], action_names: tuple[str
                          int(m.fusion_dim), int(m.embed_dim), action_names=tuple(action_names))
     return CarlPolicy(observation_spec, len(action_names) or 2, int(m.features_dim), int(m.hidden_dim),
                       int(m.fusion_dim), int(m.min_final_size), action_names=tuple(action_names))
+
+
+def compile_network(policy: ActorCritic) -> None:
+    """``parallel.compile``: the policy's forward compiled in place (its own module keeps the parameters, so DDP,
+    checkpoints and export see the same names); a platform that cannot compile raises a ConfigError naming the key."""
+    policy.forward = compiled(policy.forward, "parallel.compile", dynamic=None)

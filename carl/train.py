@@ -48,12 +48,11 @@ from carl.monitor import PhaseTimer, ProgressBar, TBLogger, VideoRecorder, summa
 from carl.parallel import DistContext, DistributedError, SyncMethod, init_distributed, make_sync
 from carl.parallel.context import run_as_rank
 from carl.parallel.launch import check_world
-from carl.policy import describe, make_policy
+from carl.policy import compile_network, describe, make_policy
 from carl.ppo import PPOTrainer
 from carl.run_checkpoints import Checkpoints
 from carl.runlock import RunLock, claim_run_dir
 from envs.api import BatchedEnv
-from envs.compiled import compiled
 
 
 
@@ -303,8 +302,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     say(f"run folder: {run_dir}", flush=True)
     if loaded:
         say(loaded, flush=True)
-    if cfg.parallel.compile:  # the module's own forward, so DDP, checkpoints and export see the same parameters
-        policy.forward = compiled(policy.forward, "parallel.compile", dynamic=None)
+    if cfg.parallel.compile:
+        compile_network(policy)
     try:
         sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method (its stats only); DDP broadcasts rank 0's weights
     except ValueError as exc:
