@@ -119,9 +119,9 @@ class ParallelConfig:
     bf16: bool | str = option(False, "bfloat16 autocast for the network; auto: on where the device has native bf16 "
                                      "(CUDA, or a CPU with AVX-512 BF16 / AMX; 1.6x faster PPO updates there, "
                                      "docs/training.md)", choices=(True, False, "auto"))
-    compile: bool = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler): the set "
-                                  "policy's update 0.56 -> 0.43 s on a 2-core Zen 4 (docs/training.md, "
-                                  "\"Throughput\"), after 30-60 s of compiling at the start")
+    compile: bool = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler); 30-60 s "
+                                  "of compiling at the start; on a 2-core CPU the gain is within the noise of a "
+                                  "VM's runs (docs/training.md, two observation paths): measure on yours")
     torch_threads: int = option(0, "CPU threads of PyTorch; 0 = its default", ge=0)
     # -- multi-process (torchrun); ignored with one process. See docs/distributed.md --
     sync: str = option("allreduce", "gradient-sync method: " + "; ".join(f"{k}: {v}" for k, v in SYNC_METHODS.items()),
