@@ -31,6 +31,9 @@ ALLOWED: dict[str, str] = {
     # configuration plumbing shared by every backend and the trainer (ConfigError, Checks, suggest, from_dict); no
     # backend code and no torch, so carl/config.py validates `env.*` with the same error type the backends raise
     "envs.config": "shared configuration errors and checks (carl/config.py)",
+    # torch.compile with the ConfigError that names the option where a platform cannot compile: the simulator's
+    # vector.compile and the trainer's parallel.compile share it (no backend code)
+    "envs.compiled": "parallel.compile's torch.compile with a clear error (carl/policy.py)",
     # training videos: carl/train.py renders the BEV of env 0 to RGB frames for TensorBoard; imported in a try/except
     # so another backend without it still trains (a candidate for envs.api: a backend-neutral `render` hook)
     "envs.sim.render": "BEV -> RGB frames for training videos (carl/train.py)",
