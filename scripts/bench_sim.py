@@ -20,8 +20,8 @@ ms_per_step within 20 % of a single town's at the same batch. Each line carries 
 line gives its cost beside no observation. Target (issue 24): at most 25 % at batch 1024 on 2 cores.
 ``--path-conflicts`` (with ``--vector``): also the vector observation with ``vector.path_conflicts`` (the towns_vector
 recipe's), observation ``vector+paths``, with its own cost line. ``--compile`` (with ``--vector``): the vector
-observation's stages compiled (``env.options.vector.compile``, as the vector presets run them); each batch size
-compiles before its timing starts.
+observation's stages compiled (``env.options.vector.compile``); each batch size compiles in the warm-up, before its
+timing starts. ``--no-bev``: skip the BEV runs (no observation and the vector one only).
 
 ``--scenario-densities``: scenarios per km on the random routes (``env.options.scenario_density``; longest6 v2 carries
 7.4). Target (issue 23): ms_per_step with scenarios within 15 % of the same run without them; with a density of 0
