@@ -12,14 +12,15 @@ import functools
 from typing import Callable, TypeVar
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.exc import InductorError
 
 from envs.config import ConfigError
 
 F = TypeVar("F", bound=Callable)
 
-FAILURES = (BackendCompilerFailed, InductorError, TorchDynamoException)
+# the compiler's own failures only: an error of the compiled code (a bad shape) surfaces as itself
+FAILURES = (BackendCompilerFailed, InductorError)
 
 
 def compiled(fn: F, key: str, dynamic: bool | None = False) -> F:

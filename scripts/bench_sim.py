@@ -144,6 +144,8 @@ def main() -> None:
     p.add_argument("--worlds", nargs="*", default=["procedural"],
                    help="procedural | a town or map file | all (8 towns + procedural in one world)")
     args = p.parse_args()
+    if args.compile and not args.vector:
+        p.error("--compile compiles the vector observation's stages: add --vector")
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     batches = args.batches or ([1, 64, 256, 1024, 16384, 65536] if cuda else [1, 64, 256, 1024])

@@ -77,6 +77,7 @@ def test_a_compiled_network_trains_on_cpu_and_saves_the_plain_module_s_weights(t
                timeout=600, env=env)
     assert plain.returncode == 0 and done.returncode == 0, done.stderr[-3000:]
     assert "update 2/2" in done.stdout
+    assert any(p.is_file() for p in (tmp_path / "inductor").rglob("*")), "nothing was compiled"
     weights = [torch.load(tmp_path / d / "last.pt", weights_only=True)["model"] for d in ("plain", "compiled")]
     assert list(weights[1]) == list(weights[0])
 
