@@ -1,7 +1,11 @@
 """Throughput of the built-in simulator: environment steps per second by batch size, without and with the BEV.
 
 Prints one JSON line per configuration, e.g.
-``{"device": "cpu", "batch": 1024, "bev": "none", "steps_per_s": 51234.5, ...}``.
+``{"device": "cpu", "batch": 1024, "bev": "none", "steps_per_s": 51234.5, "ms_per_step": 19.99, ...}``:
+``ms_per_step`` is the median over blocks of ~0.5 s (``ms_per_step_min`` their fastest). The configurations a
+ratio compares (no observation and the vector ones; each with and without scenarios) are timed in alternating
+blocks, and each ratio line is the median of the per-round ratios: a shared VM's rate drifts by 20-25 % between
+runs a minute apart, and alternating blocks see the same drift.
 Targets (issue 2): 2-core CPU >= 50,000 steps/s at batch 1024 without BEV and >= 2,000 steps/s at batch 256 with
 a 10x128x128 BEV; H200 >= 1,000,000 without BEV and >= 100,000 with 10x256x256.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -68,44 +73,79 @@ def world_mb(env) -> float:
     return round(total / 2**20, 1)
 
 
-def bench(device: str, batch: int, bev_size: int | str | None, seconds: float, traffic: bool,
-          world: str = "procedural", scenario_density: float = 0.0, compile_vector: bool = False) -> dict:
-    """``bev_size``: a BEV size, None (no observation beyond the measurements), "vector" or "vector+paths" (with
-    path conflicts)."""
-    observation = bev_size if bev_size in ("vector", "vector+paths") else None
-    options = dict(bev=bev_size is not None and observation is None, traffic=traffic, num_routes=256,
-                   scenario_density=scenario_density, **world_options(world))
-    if observation:
-        options["observation"], bev_size = "vector", None
-        options["vector"] = {"path_conflicts": observation == "vector+paths", "compile": compile_vector}
-    if bev_size is not None:
-        options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
-    t_load = time.perf_counter()
-    env = make_env("sim", batch, device, 0, **options)
-    env.reset()
-    load_s = time.perf_counter() - t_load
-    gen = torch.Generator(device=device).manual_seed(0)
-    actions = torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device) \
-        - torch.tensor([0.1, 0.2], device=device)  # mostly forward, gentle steering: episodes of useful length
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for i in range(10):  # warm-up
-        env.step(actions[i % 64])
-    sync()
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for i in range(10):
-            env.step(actions[(steps + i) % 64])
-        steps += 10
-        sync()
-    elapsed = time.perf_counter() - t0
-    return {"device": device, "batch": batch, "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
-            "observation": observation or ("bev" if bev_size is not None else "none"),
-            "compiled": bool(observation and compile_vector),
-            "steps_per_s": round(steps * batch / elapsed, 1), "ms_per_step": round(elapsed / steps * 1000, 3),
-            "traffic": traffic, "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
-            "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
-            "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum()),
-            "cpu": cpu_line()}
+class Timed:
+    """One configuration's env, built and warmed up, timed in blocks of steps. Configurations compared by a ratio
+    (scenarios on and off, an observation and none) are timed in alternating blocks (:func:`interleaved`): on a shared
+    VM the step rate drifts by 20-25 % between runs a minute apart, and a ratio of two runs inherits that drift."""
+
+    def __init__(self, device: str, batch: int, bev_size: int | str | None, traffic: bool, world: str = "procedural",
+                 scenario_density: float = 0.0, compile_vector: bool = False) -> None:
+        """``bev_size``: a BEV size, None (no observation beyond the measurements), "vector" or "vector+paths" (with
+        path conflicts)."""
+        observation = bev_size if bev_size in ("vector", "vector+paths") else None
+        options = dict(bev=bev_size is not None and observation is None, traffic=traffic, num_routes=256,
+                       scenario_density=scenario_density, **world_options(world))
+        if observation:
+            options["observation"], bev_size = "vector", None
+            options["vector"] = {"path_conflicts": observation == "vector+paths", "compile": compile_vector}
+        if bev_size is not None:
+            options.update(bev_size=bev_size, bev_ego_from_bottom=bev_size * 100 // 256)
+        t_load = time.perf_counter()
+        self.env = env = make_env("sim", batch, device, 0, **options)
+        env.reset()
+        self.load_s = time.perf_counter() - t_load
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.actions = torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device) \
+            - torch.tensor([0.1, 0.2], device=device)  # mostly forward, gentle steering: episodes of useful length
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        self.steps, self.blocks = 0, []  # ms per step of each timed block
+        self.block(10)  # warm-up (and compilation), not counted
+        self.blocks.clear()
+        self.info = {"device": device, "batch": batch,
+                     "bev": "none" if bev_size is None else f"10x{bev_size}x{bev_size}",
+                     "observation": observation or ("bev" if bev_size is not None else "none"),
+                     "compiled": bool(observation and compile_vector), "traffic": traffic,
+                     "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
+                     "maps": env.world.num_maps, "world_build_s": round(self.load_s, 2), "world_mb": world_mb(env),
+                     "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum()),
+                     "cpu": cpu_line()}
+
+    def block(self, steps: int) -> float:
+        """Time ``steps`` env steps (rounded up to tens); returns and records ms per step."""
+        steps = -(-steps // 10) * 10
+        self.sync()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            self.env.step(self.actions[(self.steps + i) % 64])
+        self.sync()
+        ms = (time.perf_counter() - t0) / steps * 1000
+        self.steps += steps
+        self.blocks.append(ms)
+        return ms
+
+    def result(self) -> dict:
+        ms = statistics.median(self.blocks)
+        return {**self.info, "steps_per_s": round(self.info["batch"] * 1000 / ms, 1), "ms_per_step": round(ms, 3),
+                "ms_per_step_min": round(min(self.blocks), 3), "blocks": len(self.blocks)}
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def interleaved(timed: list[Timed], seconds: float, block_s: float = 0.5) -> None:
+    """Time each configuration for about ``seconds`` in alternating blocks of about ``block_s`` (sized from the
+    warm-up), so that each ratio between them compares steps taken within the same few seconds."""
+    steps = [max(10, int(block_s * 1000 / t.block(10))) for t in timed]  # one more warm-up block each, to size
+    for t in timed:
+        t.blocks.clear()
+    for _ in range(max(1, round(seconds / block_s))):
+        for t, n in zip(timed, steps):
+            t.block(n)
+
+
+def block_ratio(r: Timed, base: Timed) -> float:
+    """The median over rounds of ``r``'s ms per step over ``base``'s in the same round, minus 1."""
+    return round(statistics.median(a / b for a, b in zip(r.blocks, base.blocks)) - 1.0, 3)
 
 
 def bench_highway_env(seconds: float) -> dict | None:
@@ -125,6 +165,29 @@ def bench_highway_env(seconds: float) -> dict | None:
             env.reset()
     return {"device": "cpu", "batch": 1, "bev": "none", "simulator": "highway-env intersection-v0",
             "steps_per_s": round(steps / (time.perf_counter() - t0), 2)}
+
+
+def cost_lines(timed: list[Timed]) -> list[dict]:
+    """``vector_cost`` (a vector observation against none, same scenarios) and ``scenario_cost`` (scenarios against
+    none, same observation) of an interleaved group, each the median of its per-round ratios."""
+    lines = []
+    for t in timed:
+        r = t.info
+        if r["observation"].startswith("vector"):
+            base = next(b for b in timed if b.info["observation"] == "none"
+                        and b.info["scenario_density"] == r["scenario_density"])
+            lines.append({"vector_cost": block_ratio(t, base), "observation": r["observation"],
+                          "compiled": r["compiled"], "batch": r["batch"], "world": r["world"],
+                          "scenario_density": r["scenario_density"], "target": 0.25, "cpu": r["cpu"]})
+    for t in timed:
+        r = t.info
+        base = next((b for b in timed if b.info["scenario_density"] == 0 and b.info["bev"] == r["bev"]
+                     and b.info["observation"] == r["observation"]), None)
+        if r["scenario_density"] > 0 and base is not None:  # else no run without scenarios to compare with
+            lines.append({"scenario_cost": block_ratio(t, base), "observation": r["observation"], "bev": r["bev"],
+                          "batch": r["batch"], "world": r["world"], "scenario_density": r["scenario_density"],
+                          "target": 0.15, "cpu": r["cpu"]})
+    return lines
 
 
 def main() -> None:
@@ -150,36 +213,28 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     batches = args.batches or ([1, 64, 256, 1024, 16384, 65536] if cuda else [1, 64, 256, 1024])
     bev_sizes = [] if args.no_bev else args.bev_sizes or ([128, 256] if cuda else [128])
-    results = []
+    results, costs = [], []
     for world in args.worlds:
         vectors = (["vector", *(["vector+paths"] if args.path_conflicts else [])] if args.vector else [])
-        for bev in [None, *vectors, *bev_sizes]:
+        # each group is timed interleaved: no observation beside the vector ones (vector_cost), each beside itself
+        # with and without scenarios (scenario_cost); a BEV size is a group of its own (one BEV env of a large batch
+        # holds GBs)
+        for observations in [[None, *vectors], *[[b] for b in bev_sizes]]:
             for batch in batches:
-                if isinstance(bev, int) and batch * bev * bev * 10 > (8 << 30 if cuda else 1 << 30):
+                if isinstance(observations[0], int) and batch * observations[0] ** 2 * 10 > (
+                        8 << 30 if cuda else 1 << 30):
                     continue  # observation alone would not fit
-                for density in args.scenario_densities:
-                    r = bench(args.device, batch, bev, args.seconds, not args.no_traffic, world, density,
-                              args.compile)
-                    results.append(r)
-                    print(json.dumps(r), flush=True)
-    for r in results:
-        if r["observation"].startswith("vector"):
-            base = next(b for b in results if b["observation"] == "none" and b["batch"] == r["batch"]
-                        and b["world"] == r["world"] and b["scenario_density"] == r["scenario_density"])
-            print(json.dumps({"vector_cost": round(r["ms_per_step"] / base["ms_per_step"] - 1.0, 3),
-                              "observation": r["observation"], "compiled": r["compiled"], "batch": r["batch"],
-                              "world": r["world"],
-                              "scenario_density": r["scenario_density"], "target": 0.25, "cpu": r["cpu"]}), flush=True)
-    for r in results:
-        if r["scenario_density"] > 0:
-            base = next((b for b in results if b["scenario_density"] == 0 and all(
-                b[k] == r[k] for k in ("observation", "bev", "batch", "world"))), None)
-            if base is None:
-                continue  # no run without scenarios to compare with
-            print(json.dumps({"scenario_cost": round(r["ms_per_step"] / base["ms_per_step"] - 1.0, 3),
-                              "observation": r["observation"], "bev": r["bev"], "batch": r["batch"],
-                              "world": r["world"], "scenario_density": r["scenario_density"], "target": 0.15,
-                              "cpu": r["cpu"]}), flush=True)
+                timed = [Timed(args.device, batch, o, not args.no_traffic, world, density, args.compile)
+                         for o in observations for density in args.scenario_densities]
+                interleaved(timed, args.seconds)
+                for t in timed:
+                    results.append(t.result())
+                    print(json.dumps(results[-1]), flush=True)
+                costs += cost_lines(timed)
+                for t in timed:
+                    t.close()
+    for line in costs:
+        print(json.dumps(line), flush=True)
     ref = bench_highway_env(args.seconds)
     if ref is not None:
         ours = next((r for r in results if r["batch"] == 1 and r["observation"] == "none"), None)
