@@ -98,8 +98,10 @@ class PPOConfig:
     bootstrap_truncation: bool = option(False, "bootstrap truncated episodes from their final observation (CaRL: "
                                                "done = terminated OR truncated, no bootstrap)")
     teacher: str = option("none", "a teacher the policy is also fitted to, beside PPO (behaviour cloning on the "
-                                  "policy's own rollouts): none, or expert (the env backend's rule-based expert, which "
-                                  "reads privileged state)", choices=("none", "expert"))
+                                  "policy's own rollouts): none, expert (the env backend's rule-based expert, which "
+                                  "reads privileged state), or expert_seen (env sim: the expert without its knowledge "
+                                  "of the junction flows' next cars before they spawn, which no observation shows)",
+                          choices=("none", "expert", "expert_seen"))
     bc_coef: float = option(1.0, "with a teacher: weight of its term (squared error of the policy's mean action to the "
                                  "teacher's) at the first update", ge=0)
     bc_until: float = option(0.5, "with a teacher: share of the run over which bc_coef decays linearly to "
@@ -616,6 +618,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
              f"ppo.bc_until={p.bc_until} nothing trains the actor "
              + ("at all" if p.teacher == "none" else f"after {p.bc_until:.0%} of the run")
              + "; set ppo.pg_coef > 0, or ppo.teacher=expert with ppo.bc_until=1.0 or ppo.bc_final > 0")
+    _require(p.teacher != "expert_seen" or backend_of(e.name) in (None, *envs.SEEN_ONLY_EXPERTS),
+             f"ppo.teacher=expert_seen: env {e.name!r}'s expert has no seen-only variant (only "
+             f"{', '.join(envs.SEEN_ONLY_EXPERTS)}); set ppo.teacher=expert")
     _require(p.teacher == "none" or backend_of(e.name) is not None,
              f"ppo.teacher={p.teacher} fits the policy to the env backend's rule-based expert, and env.name={e.name!r} "
              f"is not a backend with one ({', '.join(envs.BACKENDS)}); set ppo.teacher=none")

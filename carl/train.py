@@ -292,7 +292,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
                     **rank_routes(cfg.env.options, cfg.env.num_envs, ctx.rank, ctx.world_size))
     policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(device)
     signature = policy.signature()
-    teacher = envs.make_expert(cfg.env.name, env) if cfg.ppo.teacher == "expert" else None
+    teacher = (envs.make_expert(cfg.env.name, env, seen_only=cfg.ppo.teacher == "expert_seen")
+               if cfg.ppo.teacher != "none" else None)
     # a resumed run's weights come from its own last.pt
     loaded = load_initial_weights(policy, cfg.init_from) if cfg.init_from and not cfg.resume else None
     cfg.run_dir = str(run_dir)

@@ -109,6 +109,16 @@ def make_env(name: str, num_envs: int, device: "str | torch.device" = "cpu", see
     return load_ref(backend(name).factory)(num_envs, device, seed, **options)
 
 
-def make_expert(name: str, env: "BatchedEnv") -> Callable:
-    """Backend ``name``'s rule-based expert for ``env``: ``policy(obs) -> actions`` (it reads privileged state)."""
-    return load_ref(backend(name).expert)(env)
+SEEN_ONLY_EXPERTS = ("sim",)  # backends whose expert has a variant without what no observation shows
+
+
+def make_expert(name: str, env: "BatchedEnv", seen_only: bool = False) -> Callable:
+    """Backend ``name``'s rule-based expert for ``env``: ``policy(obs) -> actions`` (it reads privileged state).
+    ``seen_only``: the variant that yields only to actors that exist (the simulator's, without the junction flows'
+    next cars before they spawn; ``ppo.teacher=expert_seen``)."""
+    if not seen_only:
+        return load_ref(backend(name).expert)(env)
+    if name not in SEEN_ONLY_EXPERTS:
+        raise ValueError(f"env {name!r}: its expert has no seen-only variant (only {', '.join(SEEN_ONLY_EXPERTS)}); "
+                         "use the expert itself")
+    return load_ref(backend(name).expert)(env, unseen_flow_cars=False)

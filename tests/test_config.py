@@ -239,6 +239,15 @@ def test_a_teacher_needs_a_backend_with_an_expert() -> None:
     assert load_config(["+experiment=quick", "ppo.teacher=expert"]).ppo.teacher == "expert"
 
 
+def test_the_seen_only_teacher_needs_the_simulator() -> None:
+    """ppo.teacher=expert_seen is the simulator's expert without the flows' unspawned cars: a backend whose expert has
+    no such variant (CARLA's is the server's) is refused at start, naming the key and the fix."""
+    with pytest.raises(ConfigError, match=r"ppo.teacher=expert_seen: env 'carla'.s expert has no seen-only variant "
+                                          r"\(only sim\); set ppo.teacher=expert"):
+        load_config(["env=carla", "ppo.teacher=expert_seen"])
+    assert load_config(["+experiment=quick", "ppo.teacher=expert_seen"]).ppo.teacher == "expert_seen"
+
+
 def test_ppo_term_off_needs_a_teacher_for_the_whole_run() -> None:
     """ppo.pg_coef=0 leaves the actor to the teacher's term: without a teacher nothing would train it, and with the
     teacher's weight reaching 0 at bc_until = 0.5 (the default) nothing would after half the run."""

@@ -196,3 +196,14 @@ def test_unseen_towns_drives_held_out_lane_changing_routes_on_each_named_town(tm
     records = json.loads((tmp_path / "t7" / "results.json").read_text())["_checkpoint"]["records"]
     assert sorted(r["route_id"] for r in records) == ["Town07_rand7919_0", "Town07_rand7919_1"]
     assert summary["groups"] and set(summary["groups"]) == {"Town07"}
+
+
+def test_the_seen_only_expert_is_a_policy_and_drives_as_the_expert_where_no_flow_runs(tmp_path: Path) -> None:
+    """policy=expert_seen evaluates the simulator's expert without the junction flows' unspawned cars; on routes
+    without scenarios nothing differs, so its route scores are the expert's."""
+    seen, _ = evaluate(tmp_path / "seen", "policy=expert_seen", "+benchmark.options.scenario_density=0")
+    full, _ = evaluate(tmp_path / "full", "policy=expert", "+benchmark.options.scenario_density=0")
+    records = {name: json.loads((tmp_path / name / "results.json").read_text())["_checkpoint"]["records"]
+               for name in ("seen", "full")}
+    assert [r["scores"] for r in records["seen"]] == [r["scores"] for r in records["full"]]
+    assert "expert_seen" in (tmp_path / "seen" / "summary.md").read_text()

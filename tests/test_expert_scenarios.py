@@ -3,8 +3,10 @@ what it knows of a flow's unseen next cars checked against the flow's rule, and 
 end on the hand-built 4-way junction of tests/test_scenarios.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+import envs
 from envs.sim.dynamics import DRAG, ROLLING, Car, bicycle_step
 from envs.sim.expert import FORECAST, LAUNCH_SPEED, Expert, _full_throttle
 from envs.sim.scenarios import DONE
@@ -68,3 +70,22 @@ def test_the_expert_merges_into_the_right_turn_stream_without_a_timeout_or_colli
     c = env.state.scn
     assert bool((c.status[:, 0] == DONE).all()), c.status[:, 0]
     assert not bool(c.timed_out[:, 0].any()) and not bool(c.collided[:, 0].any())
+
+
+def test_the_seen_only_expert_knows_no_unspawned_car_and_only_the_sim_has_it() -> None:
+    """In a live right-turn flow the full expert's knowledge holds the flow's next two cars (valid, as the test above
+    places them); the seen-only variant (``ppo.teacher=expert_seen``) holds the same slots, all invalid, and the
+    same scripted-path forecast of the cars that exist. CARLA's and nuPlan's experts have no such variant."""
+    env = env_with("SignalizedJunctionRightTurn", to="S")
+    place_in_trigger_circle(env)
+    for _ in range(3):
+        env.step(torch.tensor([[0.0, -1.0]]))
+    s = env.state
+    full, seen = envs.make_expert("sim", env), envs.make_expert("sim", env, seen_only=True)
+    *_, valid, forecast = full.scenario_knowledge(s)
+    *_, seen_valid, seen_forecast = seen.scenario_knowledge(s)
+    assert int(valid.sum()) == 2 and seen_valid.shape == valid.shape and not bool(seen_valid.any())
+    assert all(torch.equal(a, b) for a, b in zip(forecast, seen_forecast))
+    for backend in ("carla", "nuplan"):
+        with pytest.raises(ValueError, match=f"env '{backend}': its expert has no seen-only variant"):
+            envs.make_expert(backend, None, seen_only=True)

@@ -10,7 +10,8 @@ Usage::
     carl-eval hydra.run.dir=runs/eval/mine policy=expert          # results under runs/eval/mine
     carl-eval -m policy=expert,random benchmark=towns seed=0,1    # a sweep: one folder per job, a summary
 
-``policy`` is ``expert`` (the backend's rule-based expert, privileged state), ``random`` (uniform actions), a
+``policy`` is ``expert`` (the backend's rule-based expert, privileged state), ``expert_seen`` (the simulator's
+expert without the junction flows' next cars before they spawn), ``random`` (uniform actions), a
 training checkpoint (``.pt``) or a bundle directory (``carl-export``); learned policies act deterministically (the
 Beta mean). Benchmarks (``conf/benchmark/*.yaml``) list route groups; each group is one batched env whose rows
 drive all its routes in parallel (longest6: one group per town).
@@ -45,7 +46,7 @@ from carl.config import ConfigError
 from carl.eval import EvalError
 from carl.eval.benchmarks import Benchmark, resolve_benchmark
 from carl.eval.loop import evaluate_policy
-from carl.eval.policies import BASELINES, PolicySource, resolve_policy
+from carl.eval.policies import BASELINES, RULE_BASED, PolicySource, resolve_policy
 from carl.eval.report import plot_infractions, plot_scores, record_worst, write_tables
 from carl.runlock import RunLock, took_over
 
@@ -58,7 +59,7 @@ SHORTCUTS = {"env": "++benchmark.env", "reactive": "++benchmark.reactive",
 class EvalConfig:
     """``carl-eval``'s keys and defaults (``conf/eval.yaml`` picks the benchmark)."""
 
-    policy: str = "expert"  # expert | random | <checkpoint .pt> | <bundle dir from carl-export> | zoo:<name>
+    policy: str = "expert"  # expert | expert_seen | random | <checkpoint .pt> | <bundle dir (carl-export)> | zoo:<name>
     out_dir: str | None = None  # default runs/eval/<benchmark>-<policy>
     overwrite: bool = False  # replace results of another policy/benchmark in out_dir (never done silently)
     baselines: bool = False  # also evaluate the random policy and the expert (out_dir/baselines/<name>)
@@ -72,7 +73,7 @@ class EvalConfig:
 
 def policy_name(arg: str) -> str:
     """The display name ``policy=`` gets (:func:`resolve_policy`), without loading it."""
-    if arg in BASELINES:
+    if arg in RULE_BASED:
         return arg
     if arg.startswith(zoo.PREFIX):
         return arg[len(zoo.PREFIX):]
@@ -171,10 +172,10 @@ class EvalCommand(Command):
 
     def check(self, cfg: dict[str, Any]) -> list[str]:
         policy = str(cfg["policy"])
-        if policy in BASELINES or policy.startswith(zoo.PREFIX) or Path(policy).exists():
+        if policy in RULE_BASED or policy.startswith(zoo.PREFIX) or Path(policy).exists():
             return []  # a zoo name is checked when it resolves (the message lists the shipped ones)
-        return [f"policy={policy}: no such file or folder; use expert, random, a checkpoint .pt, a bundle dir or "
-                f"zoo:<name> ({', '.join(zoo.names())})"]
+        return [f"policy={policy}: no such file or folder; use expert, expert_seen, random, a checkpoint .pt, a bundle "
+                f"dir or zoo:<name> ({', '.join(zoo.names())})"]
 
     def holds_run(self, folder: Path) -> bool:
         return (folder / "results.json").exists()

@@ -19,7 +19,9 @@ from carl.eval import EvalError
 from envs.api import BatchedEnv
 
 PolicyFactory = Callable[[BatchedEnv], PolicyFn]
-BASELINES = ("random", "expert")
+BASELINES = ("random", "expert")  # what baselines=true evaluates beside a policy
+RULE_BASED = (*BASELINES, "expert_seen")  # every policy= that names no file: expert_seen is the simulator's expert
+# without the junction flows' next cars before they spawn (ppo.teacher=expert_seen)
 
 
 def random_policy(env: BatchedEnv) -> PolicyFn:
@@ -32,12 +34,12 @@ def random_policy(env: BatchedEnv) -> PolicyFn:
     return act
 
 
-def expert_factory(backend: str) -> PolicyFactory | None:
-    """The rule-based expert each backend registers (``envs.BACKENDS``); None for a custom env, which has none, so
-    callers just skip the expert column."""
+def expert_factory(backend: str, seen_only: bool = False) -> PolicyFactory | None:
+    """The rule-based expert each backend registers (``envs.BACKENDS``; ``seen_only``: its variant without what no
+    observation shows); None for a custom env, which has none, so callers just skip the expert column."""
     if backend not in envs.BACKENDS:
         return None
-    return lambda env: envs.make_expert(backend, env)
+    return lambda env: envs.make_expert(backend, env, seen_only)
 
 
 @dataclass
@@ -66,11 +68,14 @@ class PolicySource:
         """The callable for ``env`` (the expert reads the env's privileged state)."""
         if self.kind == "random":
             return random_policy(env)
-        if self.kind == "expert":
-            factory = expert_factory(backend)
+        if self.kind in ("expert", "expert_seen"):
+            factory = expert_factory(backend, seen_only=self.kind == "expert_seen")
             if factory is None:
                 raise EvalError(f"env={backend} has no rule-based expert (envs.{backend}.expert)")
-            return factory(env)
+            try:
+                return factory(env)
+            except ValueError as e:
+                raise EvalError(f"policy={self.kind}: {e}") from None
         self._check_obs(env)
         return self.loaded
 
@@ -84,15 +89,17 @@ class PolicySource:
 
 
 def resolve_policy(arg: str, device: torch.device) -> PolicySource:
-    """``expert`` | ``random`` | checkpoint file | bundle directory | ``zoo:<name>`` -> :class:`PolicySource`."""
-    if arg in BASELINES:
+    """``expert`` | ``expert_seen`` | ``random`` | checkpoint file | bundle directory | ``zoo:<name>`` ->
+    :class:`PolicySource`."""
+    if arg in RULE_BASED:
         return PolicySource(arg, arg, {"kind": arg})
     try:
         path = Path(zoo.resolve(arg))
     except zoo.ZooError as exc:
         raise EvalError(str(exc)) from None
     if not path.exists():
-        raise EvalError(f"policy={arg}: no such file or folder; use expert, random, a checkpoint .pt, a bundle dir or "
+        raise EvalError(f"policy={arg}: no such file or folder; use expert, expert_seen, random, a checkpoint .pt, a "
+                        "bundle dir or "
                         f"zoo:<name> ({', '.join(zoo.names())})")
     loaded, spec = load_policy(path, device=device, deterministic=True)
     weights = path / spec["files"]["weights"] if path.is_dir() else path

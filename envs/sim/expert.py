@@ -41,9 +41,13 @@ CAR_HALF = (2.4, 1.0)  # m: a flow's unseen next car (half length, half width)
 class Expert:
     """``Expert(env)(obs) -> actions [B, 2]``; reads ``env.state`` (privileged), ignores ``obs``."""
 
-    def __init__(self, env: SimEnv, speed_fraction: float = 0.9):
+    def __init__(self, env: SimEnv, speed_fraction: float = 0.9, unseen_flow_cars: bool = True):
+        """``unseen_flow_cars``: whether it yields to the junction flows' next cars before they spawn (privileged: no
+        observation shows them); without it (``expert_seen``, a teacher whose labels the policy's inputs can explain)
+        it yields only to the cars that exist."""
         self.env = env
         self.speed_fraction = speed_fraction
+        self.unseen_flow_cars = unseen_flow_cars
 
     def __call__(self, obs: dict[str, Tensor] | None = None) -> Tensor:
         env, cfg = self.env, self.env.cfg
@@ -163,14 +167,15 @@ class Expert:
         """What the expert knows of the route scenarios (privileged, as PDM-Lite's scenario knowledge): each flow's
         next two cars, not yet spawned (xy [B,U,2], yaw, speed, valid [B,U]) and where the scenario vehicles
         will be on their scripted paths at the :data:`FORECAST` times (xy [B,V,T,2], yaw, gone [B,V,T]; None
-        without route scenarios)."""
+        without route scenarios). Without ``unseen_flow_cars`` the next cars are all invalid."""
         scenarios = getattr(self.env, "scenarios", None)
         if scenarios is None or not scenarios.on:
             B, dev = self.env.num_envs, self.env.device
             return (torch.zeros(B, 0, 2, device=dev), torch.zeros(B, 0, device=dev), torch.zeros(B, 0, device=dev),
                     torch.zeros(B, 0, dtype=torch.bool, device=dev), None)
-        unseen = (x.flatten(1, 2) for x in scenarios.next_flow_cars(s))
-        return (*unseen, scenarios.vehicle_forecast(s, FORECAST.to(self.env.device)))
+        xy, yaw, speed, valid = (x.flatten(1, 2) for x in scenarios.next_flow_cars(s))
+        forecast = scenarios.vehicle_forecast(s, FORECAST.to(self.env.device))
+        return xy, yaw, speed, valid & self.unseen_flow_cars, forecast
 
     def forecast(self, s, v0: Tensor, path: Tensor, dist_along: Tensor, a_xy: Tensor, a_dir: Tensor,  # noqa: ANN001
                  a_speed: Tensor, a_half: Tensor, a_valid: Tensor, a_yaw: Tensor, reckless: Tensor,
