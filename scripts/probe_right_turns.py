@@ -123,7 +123,8 @@ def drive(env, act, seed: int) -> torch.Tensor:  # noqa: ANN001 - SimEnv, policy
     return torch.cat(probes)
 
 
-def _hit_car(s, before: tuple[torch.Tensor, ...], joined: torch.Tensor, since: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _hit_car(s, before: tuple[torch.Tensor, ...], joined: torch.Tensor,  # noqa: ANN001 - SimState
+             since: torch.Tensor) -> torch.Tensor:
     """[B, 6]: seconds after joining (NaN: not joined), the ego's speed and the car the ego hit this step (the
     nearest vehicle the Leaderboard rules removed: valid before, gone after), in the ego's frame before the step
     (x ahead, y left, its heading in degrees relative to the ego's) and its speed; NaN where no car was removed."""
