@@ -99,8 +99,7 @@ def resolve_policy(arg: str, device: torch.device) -> PolicySource:
         raise EvalError(str(exc)) from None
     if not path.exists():
         raise EvalError(f"policy={arg}: no such file or folder; use expert, expert_seen, random, a checkpoint .pt, a "
-                        "bundle dir or "
-                        f"zoo:<name> ({', '.join(zoo.names())})")
+                        f"bundle dir or zoo:<name> ({', '.join(zoo.names())})")
     loaded, spec = load_policy(path, device=device, deterministic=True)
     weights = path / spec["files"]["weights"] if path.is_dir() else path
     name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
