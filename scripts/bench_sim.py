@@ -93,10 +93,11 @@ class Timed:
         t_load = time.perf_counter()
         self.env = env = make_env("sim", batch, device, 0, **options)
         env.reset()
-        self.load_s = time.perf_counter() - t_load
+        load_s = time.perf_counter() - t_load
         gen = torch.Generator(device=device).manual_seed(0)
-        self.actions = torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device) \
-            - torch.tensor([0.1, 0.2], device=device)  # mostly forward, gentle steering: episodes of useful length
+        # mostly forward, gentle steering: episodes of useful length
+        self.actions = (torch.rand(64, batch, 2, generator=gen, device=device) * torch.tensor([0.2, 1.2], device=device)
+                        - torch.tensor([0.1, 0.2], device=device))
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.steps, self.blocks = 0, []  # ms per step of each timed block
         self.block(10)  # warm-up (and compilation), not counted
@@ -106,7 +107,7 @@ class Timed:
                      "observation": observation or ("bev" if bev_size is not None else "none"),
                      "compiled": bool(observation and compile_vector), "traffic": traffic,
                      "threads": torch.get_num_threads(), "simulator": "carl", "world": world,
-                     "maps": env.world.num_maps, "world_build_s": round(self.load_s, 2), "world_mb": world_mb(env),
+                     "maps": env.world.num_maps, "world_build_s": round(load_s, 2), "world_mb": world_mb(env),
                      "scenario_density": scenario_density, "scenarios": int((env.world.scn.route_scn >= 0).sum()),
                      "cpu": cpu_line()}
 
