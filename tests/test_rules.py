@@ -194,6 +194,32 @@ def test_mean_of_route_scores_is_not_the_product_of_means():
     assert summary["km"] == pytest.approx(1.0 + 0.5)  # km driven: length x RC
 
 
+def test_ds_lost_splits_100_minus_ds_among_its_causes():
+    """Route a: RC 80 (blocked), one vehicle collision (x0.6) and a min-speed factor of 0.9: IS 0.54, DS 43.2; the
+    missed 20 go to the block, RC x (1 - IS) = 36.8 by log 0.6 : log 0.9. Route b: RC 100, two walkers hit (x0.5
+    each) and a scenario timeout (x0.7): IS 0.175, DS 17.5; 82.5 by 2 log 0.5 : log 0.7."""
+    from carl.eval.report import ds_lost_table
+    from carl.eval.store import summarize
+    from envs.metrics.leaderboard import make_record
+
+    a = {"episode/route_completion": 80.0, "episode/infraction_score": 0.54, "episode/termination/blocked": 1.0,
+         "episode/infractions/collision_vehicle": 1.0, "episode/min_speed_factor": 0.9, "episode/length": 10.0}
+    b = {"episode/route_completion": 100.0, "episode/infraction_score": 0.175, "episode/length": 10.0,
+         "episode/termination/route_completed": 1.0, "episode/infractions/collision_pedestrian": 2.0,
+         "episode/infractions/scenario_timeout": 1.0, "episode/min_speed_factor": 1.0}
+    records = [make_record(i, n, e, 1000.0, "g", i, 1.0, 0.1) for i, (n, e) in enumerate((("a", a), ("b", b)))]
+    lost = summarize(records, 2)["ds_lost"]
+    vehicle_a = 36.8 * math.log(0.6) / (math.log(0.6) + math.log(0.9))  # 30.507
+    walkers_b = 82.5 * 2 * math.log(0.5) / (2 * math.log(0.5) + math.log(0.7))  # 65.617
+    assert lost == pytest.approx({"incomplete/blocked": 10.0, "collision_vehicle": vehicle_a / 2,
+                                  "min_speed": (36.8 - vehicle_a) / 2, "collision_pedestrian": walkers_b / 2,
+                                  "scenario_timeout": (82.5 - walkers_b) / 2})
+    assert list(lost)[0] == "collision_pedestrian"  # largest first
+    assert sum(lost.values()) == pytest.approx(100.0 - (43.2 + 17.5) / 2)
+    md = "\n".join(ds_lost_table({"p": summarize(records, 2)}))
+    assert "| incomplete/blocked | 10.00 |" in md and "| driving score | 30.35 |" in md
+
+
 def test_route_timeout_formula():
     """300 s plus, per metre of progress, 1 / (10 % of the speed limit) seconds."""
     st = CriteriaState.zeros(2, torch.device("cpu"))

@@ -65,6 +65,23 @@ def scenario_tables(summaries: dict[str, dict[str, Any]]) -> list[str]:
     return md
 
 
+def ds_lost_table(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown lines: DS points lost per cause (rows), one column per policy; with the DS each column sums to
+    100."""
+    names = [n for n, s in summaries.items() if s.get("ds_lost") is not None]
+    causes = list(dict.fromkeys(c for n in names for c in summaries[n]["ds_lost"]))
+    if not causes:
+        return []
+    md = ["", "## DS lost per cause", "",
+          "Points of 100 per route, averaged over the routes: the route completion missed (by why the route ended) "
+          "and RC x (1 - IS) shared among the penalties by the logarithm of their factors. With the DS each column "
+          "sums to 100.", "", "| cause | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    md += [f"| {c} | " + " | ".join(f"{summaries[n]['ds_lost'].get(c, 0.0):.2f}" for n in names) + " |"
+           for c in causes]
+    md.append("| driving score | " + " | ".join(f"{summaries[n]['driving_score']:.2f}" for n in names) + " |")
+    return md
+
+
 def repetition_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """One line per policy whose routes were driven several times: DS per repetition and the spreads."""
     lines = []
@@ -85,6 +102,7 @@ def write_tables(summaries: dict[str, dict[str, Any]], out_dir: Path, title: str
     md = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += repetition_lines(summaries)
+    md += ds_lost_table(summaries)
     md += scenario_tables(summaries)
     (out_dir / "summary.md").write_text("\n".join(md) + "\n")
     buf = io.StringIO()

@@ -14,7 +14,7 @@ from typing import Any
 
 from carl.eval import EvalError
 from carl.monitor import EpisodeStats
-from envs.metrics.leaderboard import LB_RECORD_KEYS, GlobalScores, results_file
+from envs.metrics.leaderboard import LB_RECORD_KEYS, GlobalScores, ds_lost, results_file
 
 # summary key -> the route record's score key
 SUMMARY_SCORES = (("driving_score", "score_composed"), ("route_completion", "score_route"),
@@ -103,6 +103,7 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     result["infractions_per_km_lb"] = {
         key: (sum(len(r["infractions"].get(key, [])) for r in records) / km if km > 0 else None)
         for key in LB_RECORD_KEYS}
+    result["ds_lost"] = mean_ds_lost(records)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(r["carl"]["group"], []).append(r)
@@ -116,6 +117,16 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     if len({r["carl"].get("repetition", 0) for r in records}) > 1:
         result["repetitions"] = repetition_summary(records)
     return result
+
+
+def mean_ds_lost(records: list[dict[str, Any]]) -> dict[str, float]:
+    """DS points lost per cause (:func:`~envs.metrics.leaderboard.ds_lost`), averaged over the routes as the DS is,
+    largest first: with the mean DS they sum to 100."""
+    total: dict[str, float] = {}
+    for r in records:
+        for cause, points in ds_lost(r["carl"]["episode"]).items():
+            total[cause] = total.get(cause, 0.0) + points
+    return {k: v / len(records) for k, v in sorted(total.items(), key=lambda kv: -kv[1])} if records else {}
 
 
 def repetition_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

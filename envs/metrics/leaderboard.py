@@ -7,9 +7,10 @@ here, once.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 # Leaderboard 2.0 record keys (benchmarks.md §2) for the simulator's infraction counters. off_road has no
 # Leaderboard key (CARLA has no such test); it is reported under its own name.
@@ -27,6 +28,10 @@ LB_INFRACTION_KEYS: dict[str, str] = {
     "min_speed": "min_speed_infractions",
     "scenario_timeout": "scenario_timeouts",
 }
+# Leaderboard 2.0's penalty factors (benchmarks.md §2.1): each event multiplies the infraction score
+LB_COEFFICIENTS = {"collision_pedestrian": 0.5, "collision_vehicle": 0.6, "collision_static": 0.65,
+                   "red_light": 0.7, "stop_sign": 0.8}
+SCENARIO_TIMEOUT_PENALTY = 0.7  # per scenario timeout (statistics_manager; scenarios.md)
 LB_EMPTY_KEYS = ("yield_emergency_vehicle_infractions",)
 LB_RECORD_KEYS = (*LB_INFRACTION_KEYS.values(), *LB_EMPTY_KEYS)  # the infraction lists of every record
 FAILED_STATUS = {
@@ -35,6 +40,11 @@ FAILED_STATUS = {
     "timeout": "Failed - Agent timed out",
     "max_steps": "Failed - Still running at max_steps (carl-eval's step limit)",
 }
+
+
+def termination_reason(ep: Mapping[str, float]) -> str:
+    """Why an episode ended: the name of its set ``episode/termination/<name>`` flag ("unknown" without one)."""
+    return next((k.rsplit("/", 1)[1] for k, v in ep.items() if k.startswith("episode/termination/") and v), "unknown")
 
 
 def make_record(index: int, route_id: str, ep: dict[str, float], route_length: float | None, group: str,
@@ -49,7 +59,7 @@ def make_record(index: int, route_id: str, ep: dict[str, float], route_length: f
         infractions[LB_INFRACTION_KEYS["outside_lanes"]] = [
             f"Agent went outside its route lanes for about {ep['episode/outside_lanes_pct']:.3f}% of the route "
             f"({counts['outside_lanes']} times)"]
-    reason = next((k.rsplit("/", 1)[1] for k, v in ep.items() if k.startswith("episode/termination/") and v), "unknown")
+    reason = termination_reason(ep)
     rc = round(float(ep["episode/route_completion"]), 4)
     penalty = round(float(ep["episode/infraction_score"]), 6)
     if reason == "route_completed":
@@ -107,3 +117,24 @@ def results_file(records: list[dict[str, Any]], total: int, identity: dict[str, 
         "labels": ["Avg. driving score", "Avg. route completion", "Avg. infraction penalty"],
         "carl": identity,
     }
+
+
+def ds_lost(ep: Mapping[str, float]) -> dict[str, float]:
+    """Where one route's driving score went, from its ``episode/...`` statistics: 100 - DS as the route completion
+    it missed (``incomplete/<why the route ended>``) plus the infraction score's loss, RC x (1 - IS), shared among the
+    penalties in proportion to the logarithm of their factors (the factors multiply, so their logarithms add and the
+    split does not depend on their order). The parts sum to 100 - DS; a loss no known factor explains is
+    ``other``."""
+    rc, score = float(ep["episode/route_completion"]), float(ep["episode/infraction_score"])
+    logs = {name: ep.get(f"episode/infractions/{name}", 0.0) * math.log(c) for name, c in LB_COEFFICIENTS.items()}
+    logs["scenario_timeout"] = ep.get("episode/infractions/scenario_timeout", 0.0) * math.log(SCENARIO_TIMEOUT_PENALTY)
+    logs["outside_lanes"] = math.log(max(1.0 - ep.get("episode/outside_lanes_pct", 0.0) / 100.0, 1e-12))
+    logs["min_speed"] = math.log(max(ep.get("episode/min_speed_factor", 1.0), 1e-12))
+    total = sum(logs.values())
+    penalty = rc * (1.0 - score)
+    lost = {k: penalty * v / total for k, v in logs.items() if v < 0} if total < 0 else {}
+    if penalty > 1e-9 and not lost:
+        lost["other"] = penalty
+    if rc < 100.0:
+        lost[f"incomplete/{termination_reason(ep)}"] = 100.0 - rc
+    return lost

@@ -13,13 +13,11 @@ import torch
 from torch import Tensor
 
 from envs.maps.rasterize import LAYER_ROAD, LAYER_SHOULDER
+from envs.metrics.leaderboard import LB_COEFFICIENTS
 from envs.sim.geometry import boxes_overlap, boxes_overlap_moving, true_first, wrap_angle
 from envs.sim.bev_draw import box_fraction_on
 from envs.sim.world import World, lane_lookup
 
-# Leaderboard 2.0 infraction coefficients (benchmarks.md §2.1)
-LB_COEFFICIENTS = {"collision_pedestrian": 0.5, "collision_vehicle": 0.6, "collision_static": 0.65,
-                   "red_light": 0.7, "stop_sign": 0.8}
 # Everything counted per episode; the first nine end the episode.
 INFRACTIONS = ("collision_vehicle", "collision_pedestrian", "collision_static", "red_light", "stop_sign",
                "off_road", "route_deviation", "blocked", "timeout", "speeding", "ttc", "comfort", "outside_lanes")

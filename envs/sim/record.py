@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from envs.metrics.leaderboard import SCENARIO_TIMEOUT_PENALTY
 from envs.sim import infractions
 from envs.sim.infractions import HARD, INFRACTIONS
 from envs.sim.rules import Judgement
-from envs.sim.scenario_world import SCENARIO_TIMEOUT_PENALTY
 from envs.sim.state import SimState
 from envs.sim.world import World
 

@@ -47,7 +47,6 @@ WALKER_HEIGHT = 1.2  # m the pedestrian spawns above C (in its collision distanc
 FLOW_SPEED, FLOW_GAP = 20.0, (25.0, 50.0)
 LEFT_SOURCE, LEFT_SINK, RIGHT_SOURCE, RIGHT_SINK = 4.0, 2.5, 5.0, 3.0  # times flow_speed, m
 JUNCTION_END_M, GREEN_DELAY, SCENARIO_TIMEOUT = 10.0, 5.0, 240.0
-SCENARIO_TIMEOUT_PENALTY = 0.7  # Leaderboard 2.0's factor per scenario timeout (statistics_manager)
 LOSS_PATCHES, LOSS_RADIUS, LOSS_END_M = (14.0, 48.0, 74.0), 2.0, 110.0
 LEFT_EXIT_CLEAR, RIGHT_EXIT_CLEAR = 70.0, 80.0  # m of the ego's exit road cleared of background (extend_road_exit)
 RED_SPEED, RED_SOURCE, RED_SINK, RED_REACT, RED_MIN_DIST = 60 / 3.6, 30.0, 10.0, 2.2, 12.0
