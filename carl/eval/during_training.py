@@ -78,6 +78,7 @@ class Evaluation:
             scalars = {f"eval/{k}": result[k] for k in ("driving_score", "route_completion", "infraction_score",
                                                          "return", "closed_loop_score") if k in result}
             scalars.update({f"eval/infractions_per_km/{k}": v for k, v in result["infractions_per_km"].items()})
+            scalars.update({f"eval/ds_lost/{k}": v for k, v in result["ds_lost"].items()})
             self.tb.scalars(scalars, global_step)
         return result
 

@@ -57,6 +57,7 @@ def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any
         "unfinished": requested - len(episodes),
         "infractions_per_km": {},
         "termination": {},
+        "ds_lost": mean_ds_lost(episodes),
     }
     if "episode/nuplan_score" in summary:  # nuPlan's closed-loop score (x 100, as CLS is reported)
         result["closed_loop_score"] = 100.0 * summary["episode/nuplan_score"]
@@ -68,6 +69,16 @@ def aggregate(episodes: list[dict[str, float]], requested: int) -> dict[str, Any
         elif key.startswith("episode/") and key not in ("episode/count",) and "/infractions/" not in key:
             result.setdefault("means", {})[key[len("episode/"):]] = val
     return result
+
+
+def mean_ds_lost(episodes: list[dict[str, float]]) -> dict[str, float]:
+    """DS points lost per cause (:func:`~envs.metrics.leaderboard.ds_lost`), averaged over the episodes as the DS is,
+    largest first: with the mean DS they sum to 100."""
+    total: dict[str, float] = {}
+    for ep in episodes:
+        for cause, points in ds_lost(ep).items():
+            total[cause] = total.get(cause, 0.0) + points
+    return {k: v / len(episodes) for k, v in sorted(total.items(), key=lambda kv: -kv[1])} if episodes else {}
 
 
 def headline(result: dict[str, Any]) -> float:
@@ -103,7 +114,6 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     result["infractions_per_km_lb"] = {
         key: (sum(len(r["infractions"].get(key, [])) for r in records) / km if km > 0 else None)
         for key in LB_RECORD_KEYS}
-    result["ds_lost"] = mean_ds_lost(records)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(r["carl"]["group"], []).append(r)
@@ -117,16 +127,6 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     if len({r["carl"].get("repetition", 0) for r in records}) > 1:
         result["repetitions"] = repetition_summary(records)
     return result
-
-
-def mean_ds_lost(records: list[dict[str, Any]]) -> dict[str, float]:
-    """DS points lost per cause (:func:`~envs.metrics.leaderboard.ds_lost`), averaged over the routes as the DS is,
-    largest first: with the mean DS they sum to 100."""
-    total: dict[str, float] = {}
-    for r in records:
-        for cause, points in ds_lost(r["carl"]["episode"]).items():
-            total[cause] = total.get(cause, 0.0) + points
-    return {k: v / len(records) for k, v in sorted(total.items(), key=lambda kv: -kv[1])} if records else {}
 
 
 def repetition_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

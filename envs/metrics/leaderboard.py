@@ -124,7 +124,10 @@ def ds_lost(ep: Mapping[str, float]) -> dict[str, float]:
     it missed (``incomplete/<why the route ended>``) plus the infraction score's loss, RC x (1 - IS), shared among the
     penalties in proportion to the logarithm of their factors (the factors multiply, so their logarithms add and the
     split does not depend on their order). The parts sum to 100 - DS; a loss no known factor explains is
-    ``other``."""
+    ``other``. Empty for an episode without a route completion or an infraction score (an env that reports
+    neither)."""
+    if "episode/route_completion" not in ep or "episode/infraction_score" not in ep:
+        return {}
     rc, score = float(ep["episode/route_completion"]), float(ep["episode/infraction_score"])
     logs = {name: ep.get(f"episode/infractions/{name}", 0.0) * math.log(c) for name, c in LB_COEFFICIENTS.items()}
     logs["scenario_timeout"] = ep.get("episode/infractions/scenario_timeout", 0.0) * math.log(SCENARIO_TIMEOUT_PENALTY)
