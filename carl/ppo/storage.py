@@ -116,3 +116,9 @@ class RolloutStorage:
             "teacher": self.teacher.reshape(n, -1),
             "labelled": self.labelled.reshape(n),
         }
+
+
+def rows(batch: dict, idx: torch.Tensor) -> dict:
+    """Rows ``idx`` of a :meth:`RolloutStorage.flat` batch, nested dicts too: a minibatch. ``index_select``, not
+    ``t[idx]``: the same rows 2-3x faster on CPU (docs/training.md, "Throughput")."""
+    return {k: rows(v, idx) if isinstance(v, dict) else v.index_select(0, idx) for k, v in batch.items()}

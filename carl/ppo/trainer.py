@@ -20,7 +20,7 @@ from carl.config import PPOConfig
 from carl.monitor import EpisodeStats, PhaseTimer
 from carl.policy import CarlPolicy, beta_kl
 from carl.ppo.loss import bc_loss, normalize_advantages, ppo_loss
-from carl.ppo.storage import RolloutStorage
+from carl.ppo.storage import RolloutStorage, rows
 from envs import api
 from envs.api import BatchedEnv
 
@@ -163,31 +163,32 @@ class PPOTrainer:
             perm = torch.randperm(n, device=self.device)
             for start in range(0, n, mb):
                 idx = perm[start : start + mb]
-                adv = batch["advantages"][idx]
+                adv = batch["advantages"].index_select(0, idx)
                 if cfg.norm_adv:
                     adv = self.normalize_advantages(adv)
                 self.optimizer.zero_grad(set_to_none=True)
                 for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
-                    obs = {key: v[micro] for key, v in batch["obs"].items()}
+                    mbatch = rows(batch, micro)
+                    obs = mbatch["obs"]
                     local_only = self.sync.no_sync() if self.sync is not None and i < k - 1 else nullcontext()
                     with local_only:  # gradients are synchronised on the last micro-batch's backward
                         with self.autocast():
-                            out = (self.sync.act(obs, batch["actions"][micro]) if self.sync is not None
-                                   else self.policy.act(obs, action=batch["actions"][micro]))
+                            out = (self.sync.act(obs, mbatch["actions"]) if self.sync is not None
+                                   else self.policy.act(obs, action=mbatch["actions"]))
                         terms = ppo_loss(
-                            out.log_prob, batch["log_probs"][micro], micro_adv, out.value, batch["values"][micro],
-                            batch["returns"][micro], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
+                            out.log_prob, mbatch["log_probs"], micro_adv, out.value, mbatch["values"],
+                            mbatch["returns"], out.entropy, cfg.clip_coef, cfg.clip_vloss, cfg.vf_coef,
                             cfg.ent_coef, cfg.pg_coef,
                         )
                         loss = terms.loss
                         if self.bc_weight > 0:
-                            bc = bc_loss(out.alpha, out.beta, batch["teacher"][micro], batch["labelled"][micro])
+                            bc = bc_loss(out.alpha, out.beta, mbatch["teacher"], mbatch["labelled"])
                             loss = loss + self.bc_weight * bc
                             sums["bc_loss"] += weight * bc.detach().float()
                         (loss * weight).backward()
                     with torch.no_grad():
-                        kl = beta_kl(batch["alpha"][micro], batch["beta"][micro], out.alpha, out.beta).mean()
+                        kl = beta_kl(mbatch["alpha"], mbatch["beta"], out.alpha, out.beta).mean()
                         for name, value in (("policy_loss", terms.policy_loss), ("value_loss", terms.value_loss),
                                             ("entropy", terms.entropy), ("approx_kl", kl),
                                             ("clipfrac", terms.clip_frac), ("old_approx_kl", terms.old_approx_kl)):
