@@ -17,7 +17,6 @@ training runs of one recipe differ by their seed too, which only more training s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from scipy import stats
 
 from carl.eval import EvalError
 from carl.eval.report import SCENARIO_COLUMNS
-from carl.eval.store import SUMMARY_SCORES, write_result
+from carl.eval.store import SUMMARY_SCORES, mean_std, read_results, write_result
 from envs.metrics.leaderboard import ds_lost
 
 TIE = 1e-6  # |B - A| at most this: the route is a tie (scores are rounded to 1e-6 in the records)
@@ -41,13 +40,8 @@ def load_records(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
     if not file.is_file():
         raise EvalError(f"{path}: no carl-eval results here (expected {file}); name a carl-eval out_dir or its "
                         "results.json")
-    try:
-        data = json.loads(file.read_text())
-        records = data["_checkpoint"]["records"]
-        for r in records:
-            r["scores"]["score_composed"], r["carl"]["group"]  # noqa: B018 - the layout check
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise EvalError(f"{file} is not a carl-eval results file ({type(exc).__name__}: {exc})") from None
+    data = read_results(file)
+    records = data["_checkpoint"]["records"]
     if not records:
         raise EvalError(f"{file} holds no finished route yet; run carl-eval to the end (re-running it resumes)")
     return data.get("carl") or {}, records
@@ -55,10 +49,6 @@ def load_records(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
 
 def _route_key(r: dict[str, Any]) -> tuple[str, int]:
     return r["carl"]["group"], int(r["carl"]["route_index"])
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def per_route(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -70,18 +60,18 @@ def per_route(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, 
     out = {}
     for key, rs in reps.items():
         lost: dict[str, float] = {}
+        outcomes: dict[str, dict[str, int]] = {}
         for r in rs:
             for cause, points in ds_lost(r["carl"]["episode"]).items():
                 lost[cause] = lost.get(cause, 0.0) + points / len(rs)
-        outcomes: dict[str, dict[str, int]] = {}
-        for r in rs:
             for kind, counts in r.get("scenarios", {}).items():
                 agg = outcomes.setdefault(kind, {})
                 for c in SCENARIO_COLUMNS:
                     agg[c] = agg.get(c, 0) + int(counts.get(c, 0))
-        out[key] = {"name": str(rs[0]["route_id"]).split("_rep")[0], "repetitions": len(rs), "ds_lost": lost,
+        name = str(rs[0]["route_id"]).removesuffix(f"_rep{rs[0]['carl'].get('repetition', 0)}")
+        out[key] = {"name": name, "repetitions": len(rs), "ds_lost": lost,
                     "scenarios": outcomes, "ends": sorted({r["meta"].get("termination", "?") for r in rs}),
-                    **{score: _mean([r["scores"][score] for r in rs]) for _, score in SUMMARY_SCORES}}
+                    **{score: mean_std([r["scores"][score] for r in rs])[0] for _, score in SUMMARY_SCORES}}
     return out
 
 
@@ -90,13 +80,14 @@ def paired(a: list[float], b: list[float]) -> dict[str, float]:
     lost and tied, and the two-sided sign test's p over the pairs that differ."""
     n = len(a)
     diffs = [y - x for x, y in zip(a, b)]
-    mean = _mean(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else float("nan")
+    mean, sd = mean_std(diffs)
+    sd = sd if n > 1 else float("nan")
     half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) if n > 1 else float("nan")
     won = sum(d > TIE for d in diffs)
     lost = sum(d < -TIE for d in diffs)
     p = stats.binomtest(won, won + lost, 0.5).pvalue if won + lost else 1.0
-    return {"a": _mean(a), "b": _mean(b), "diff": mean, "diff_sd": sd, "ci_low": mean - half, "ci_high": mean + half,
+    return {"a": mean_std(a)[0], "b": mean_std(b)[0], "diff": mean, "diff_sd": sd,
+            "ci_low": mean - half, "ci_high": mean + half,
             "won": won, "lost": lost, "tied": n - won - lost, "sign_test_p": float(p), "pairs": n}
 
 
@@ -116,8 +107,8 @@ def compare(a_records: list[dict[str, Any]], b_records: list[dict[str, Any]]) ->
     result["groups"] = {g: paired([ra[k]["score_composed"] for k in keys if k[0] == g],
                                   [rb[k]["score_composed"] for k in keys if k[0] == g]) for g in groups}
     causes = list(dict.fromkeys(c for k in keys for side in (ra, rb) for c in side[k]["ds_lost"]))
-    result["ds_lost"] = {c: {"a": _mean([ra[k]["ds_lost"].get(c, 0.0) for k in keys]),
-                             "b": _mean([rb[k]["ds_lost"].get(c, 0.0) for k in keys])} for c in causes}
+    result["ds_lost"] = {c: {side: mean_std([routes[k]["ds_lost"].get(c, 0.0) for k in keys])[0]
+                             for side, routes in (("a", ra), ("b", rb))} for c in causes}
     kinds = sorted({t for k in keys for side in (ra, rb) for t in side[k]["scenarios"]})
     result["scenarios"] = {t: {side_name: {c: sum(side[k]["scenarios"].get(t, {}).get(c, 0) for k in keys)
                                            for c in SCENARIO_COLUMNS}

@@ -93,7 +93,8 @@ def keeps_final(final: dict[str, Any], periodic_best: dict[str, Any] | None) -> 
     return periodic_best is None or headline(final) >= headline(periodic_best)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (0 for one value, NaN for none)."""
     if not values:
         return float("nan"), float("nan")
     m = sum(values) / len(values)
@@ -107,7 +108,7 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     result["routes"] = len(records)
     result["routes_total"] = total
     for key, score in SUMMARY_SCORES:
-        mean, sd = _mean_std([r["scores"][score] for r in records])
+        mean, sd = mean_std([r["scores"][score] for r in records])
         result[key], result[f"{key}_std"] = mean, sd
     km = sum((r["meta"]["route_length"] or 0.0) / 1000.0 * r["scores"]["score_route"] / 100.0 for r in records)
     result["km"] = km
@@ -118,9 +119,9 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
     for r in records:
         groups.setdefault(r["carl"]["group"], []).append(r)
     result["groups"] = {g: {"routes": len(rs),
-                            "driving_score": _mean_std([r["scores"]["score_composed"] for r in rs])[0],
-                            "route_completion": _mean_std([r["scores"]["score_route"] for r in rs])[0],
-                            "infraction_score": _mean_std([r["scores"]["score_penalty"] for r in rs])[0]}
+                            "driving_score": mean_std([r["scores"]["score_composed"] for r in rs])[0],
+                            "route_completion": mean_std([r["scores"]["score_route"] for r in rs])[0],
+                            "infraction_score": mean_std([r["scores"]["score_penalty"] for r in rs])[0]}
                         for g, rs in sorted(groups.items())}
     if any("scenarios" in r for r in records):
         result["scenarios"] = scenario_summary(records)
@@ -140,9 +141,9 @@ def repetition_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         for r in records:
             per_rep.setdefault(r["carl"].get("repetition", 0), []).append(r["scores"][score])
             per_route.setdefault((r["carl"]["group"], r["carl"]["route_index"]), []).append(r["scores"][score])
-        means = [_mean_std(v)[0] for _, v in sorted(per_rep.items())]
-        out[key] = {"per_repetition": means, "sd_over_repetitions": _mean_std(means)[1],
-                    "mean_route_sd": _mean_std([_mean_std(v)[1] for v in per_route.values()])[0]}
+        means = [mean_std(v)[0] for _, v in sorted(per_rep.items())]
+        out[key] = {"per_repetition": means, "sd_over_repetitions": mean_std(means)[1],
+                    "mean_route_sd": mean_std([mean_std(v)[1] for v in per_route.values()])[0]}
     return out
 
 
@@ -181,7 +182,7 @@ def scenario_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
             agg["_is"].append(r["scores"]["score_penalty"])
     for agg in out.values():
         for key, name in (("_ds", "driving_score"), ("_rc", "route_completion"), ("_is", "infraction_score")):
-            agg[name] = _mean_std(agg.pop(key))[0]
+            agg[name] = mean_std(agg.pop(key))[0]
     return dict(sorted(out.items()))
 
 
@@ -205,6 +206,17 @@ def nuplan_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"closed_loop_score": 100.0 * agg["score"] if scores else None,
             "nuplan_metrics": {k[len("metric/"):]: v for k, v in agg.items() if k.startswith("metric/")},
             "nuplan_types": {k[len("type/"):]: 100.0 * v for k, v in agg.items() if k.startswith("type/")}}
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A carl-eval ``results.json``; an :class:`EvalError` naming the file if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        for r in data["_checkpoint"]["records"]:  # the layout check: what the readers index
+            r["scores"]["score_composed"], r["carl"]["group"]  # noqa: B018
+        return data
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise EvalError(f"{path} is not a carl-eval results file ({type(exc).__name__}: {exc})") from None
 
 
 class ResultStore:
@@ -238,14 +250,11 @@ class ResultStore:
         if not self.path.exists():
             return None
         try:
-            data = json.loads(self.path.read_text())
-            data["_checkpoint"]["records"]  # noqa: B018 - the layout check
-            return data
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            return read_results(self.path)
+        except EvalError as exc:
             if overwrite:
                 return None
-            raise EvalError(f"{self.path} is not a carl-eval results file ({type(exc).__name__}: {exc}); "
-                            "pass overwrite=true to start over") from None
+            raise EvalError(f"{exc}; pass overwrite=true to start over") from None
 
     def _clear(self) -> None:
         for name in self.OUTPUTS:

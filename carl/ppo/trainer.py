@@ -158,6 +158,11 @@ class PPOTrainer:
         # summed on the device: one host sync per update
         sums = {name: torch.zeros((), device=self.device) for name in LOSS_STATS}
         steps = 0
+        # what a micro-batch reads: the advantages are gathered per minibatch (normalised there), the teacher's
+        # labels only while cloning
+        fields = ("obs", "actions", "log_probs", "values", "returns", "alpha", "beta") + (
+            ("teacher", "labelled") if self.bc_weight > 0 else ())
+        read = {key: batch[key] for key in fields}
         self.policy.train()
         for _epoch in range(cfg.update_epochs):
             perm = torch.randperm(n, device=self.device)
@@ -169,7 +174,7 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for i, (micro, micro_adv) in enumerate(zip(idx.chunk(k), adv.chunk(k))):
                     weight = micro.numel() / idx.numel()
-                    mbatch = rows(batch, micro)
+                    mbatch = rows(read, micro)
                     obs = mbatch["obs"]
                     local_only = self.sync.no_sync() if self.sync is not None and i < k - 1 else nullcontext()
                     with local_only:  # gradients are synchronised on the last micro-batch's backward
