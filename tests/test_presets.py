@@ -96,18 +96,21 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
 
 
 def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
-    """towns_vector_clone changes only the teacher, the cloning schedule, the samples, the right turns' weight
-    (longest6's 76 -> 600) and the actors' view (60 -> 120 m), and validates (the sim backend has an expert)."""
+    """towns_vector_clone changes only the teacher, the cloning schedule (a floor of 0.2), the samples, three
+    scenario weights (longest6's right turns 76 -> 600, emergency vehicles 43 -> 150, cyclists 2 -> 60), the actors'
+    view (60 -> 120 m) and the speeding factor (off), and validates (the sim backend has an expert)."""
     from carl.config import TrainConfig
     from carl.train import train_config
 
     clone = OmegaConf.to_container(compose(["+experiment=towns_vector_clone"]))
     base = OmegaConf.to_container(compose(["+experiment=towns_vector"]))
-    assert clone["ppo"] == {**base["ppo"], "teacher": "expert", "bc_coef": 3.0, "bc_until": 1.0, "teacher_every": 2,
-                            "total_timesteps": 24_000_000}
-    weights = base["env"]["options"]["scenario_weights"]
-    assert clone["env"]["options"] == {**base["env"]["options"],
-                                       "scenario_weights": [*weights[:3], 600.0, *weights[4:]],
-                                       "vector": {**base["env"]["options"]["vector"], "actor_radius": 120.0}}
+    assert clone["ppo"] == {**base["ppo"], "teacher": "expert", "bc_coef": 3.0, "bc_until": 1.0, "bc_final": 0.2,
+                            "teacher_every": 2, "total_timesteps": 24_000_000}
+    options = base["env"]["options"]
+    assert options["scenario_weights"][3:] == [76.0, 43.0, 2.0]  # the towns preset's: longest6 v2's own counts
+    assert clone["env"]["options"] == {**options, "scenario_weights": [*options["scenario_weights"][:3], 600.0,
+                                                                        150.0, 60.0],
+                                       "vector": {**options["vector"], "actor_radius": 120.0},
+                                       "reward": {**options.get("reward", {}), "use_speeding": False}}
     assert (clone["model"], clone["env"]["eval_options"]) == (base["model"], base["env"]["eval_options"])
     assert isinstance(train_config(["+experiment=towns_vector_clone"]), TrainConfig)
