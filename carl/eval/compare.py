@@ -105,8 +105,6 @@ def per_route(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, 
 def pooled(evaluations: list[dict[tuple[str, int], dict[str, Any]]]) -> dict[tuple[str, int], dict[str, Any]]:
     """Several evaluations' :func:`per_route` tables as one, on the routes all of them drove, each evaluation
     weighing the same whatever its repetitions (:func:`_merged`)."""
-    if len(evaluations) == 1:
-        return evaluations[0]
     keys = set.intersection(*(set(e) for e in evaluations))
     return {key: _merged([e[key] for e in evaluations]) for key in keys}
 
@@ -283,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(md)
-        write_result({"a": args.a.split(","), "b": args.b.split(","), **result}, out / "compare.json")
+        write_result({"a": [p for p, _, _ in a_side], "b": [p for p, _, _ in b_side], **result}, out / "compare.json")
 
 
 if __name__ == "__main__":
