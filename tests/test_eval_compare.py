@@ -23,11 +23,12 @@ def record(group: str, index: int, infraction_score: float, repetition: int = 0,
     return rec
 
 
-def write(tmp_path, name: str, records: list[dict], benchmark: str = "longest6") -> str:
+def write(tmp_path, name: str, records: list[dict], benchmark: str = "longest6", total: int | None = None) -> str:
+    """A carl-eval folder holding ``records``, of ``total`` route runs (default: as many, a finished evaluation)."""
     folder = tmp_path / name
     folder.mkdir()
     identity = {"policy": {"kind": "checkpoint", "sha256": name * 16}, "benchmark": benchmark, "seed": 0}
-    (folder / "results.json").write_text(json.dumps(results_file(records, len(records), identity)))
+    (folder / "results.json").write_text(json.dumps(results_file(records, total or len(records), identity)))
     return str(folder)
 
 
@@ -77,6 +78,19 @@ def test_cli_prints_and_writes_the_report(tmp_path, capsys):
     assert "only in A (left out): 1: Town02_0" in md and "| ControlLoss | 1 -> 2 | 0 -> 2 |" in md
     assert (out / "compare.md").read_text() == md
     assert json.loads((out / "compare.json").read_text())["scores"]["driving_score"]["won"] == 2
+
+
+def test_an_unfinished_evaluation_is_compared_as_it_stands_and_says_so(tmp_path, capsys):
+    a, b = two_evaluations()
+    main([write(tmp_path, "a", a), write(tmp_path, "b", b, total=6)])  # B: 4 of its 6 route runs written so far
+    captured = capsys.readouterr()
+    assert "b is unfinished (4 of 6 route runs)" in captured.err and "a is unfinished" not in captured.err
+    assert "traffic seed 0, **unfinished: 4 of 6 route runs**" in captured.out
+    assert "- an evaluation is unfinished" in captured.out
+    assert "| driving_score | 60.00 | 65.00 | +5.00 |" in captured.out  # compared as it stands
+    main([write(tmp_path, "a2", a), write(tmp_path, "b2", b)])
+    captured = capsys.readouterr()
+    assert "**unfinished" not in captured.out and "is unfinished" not in captured.out + captured.err
 
 
 def test_bad_inputs_name_the_file_and_the_fix(tmp_path):

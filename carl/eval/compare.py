@@ -49,7 +49,11 @@ def load_records(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
     records = data["_checkpoint"]["records"]
     if not records:
         raise EvalError(f"{file} holds no finished route yet; run carl-eval to the end (re-running it resumes)")
-    return data.get("carl") or {}, records
+    identity = dict(data.get("carl") or {})
+    done, total = (data["_checkpoint"].get("progress") or [len(records), len(records)])[:2]
+    if data.get("entry_status") != "Finished" and done < total:  # still running, or stopped: compared as it stands
+        identity["unfinished"] = [int(done), int(total)]
+    return identity, records
 
 
 def load_side(spec: str) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
@@ -185,7 +189,10 @@ def describe(identity: dict[str, Any]) -> str:
     benchmark and the traffic seed."""
     policy = identity.get("policy", {})
     who = policy.get("kind", "?") + (f" sha256 {policy['sha256'][:12]}" if "sha256" in policy else "")
-    return f"{who}, benchmark {identity.get('benchmark', '?')}, traffic seed {identity.get('seed', '?')}"
+    line = f"{who}, benchmark {identity.get('benchmark', '?')}, traffic seed {identity.get('seed', '?')}"
+    if "unfinished" in identity:
+        line += ", **unfinished: {} of {} route runs**".format(*identity["unfinished"])
+    return line
 
 
 def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
@@ -212,6 +219,9 @@ def to_markdown(result: dict[str, Any], a_side: list[tuple[str, dict[str, Any]]]
             more = " ..." if len(names) > 8 else ""
             md.append(f"- only in {side} (left out): {len(names)}: {', '.join(names[:8])}{more}")
     identities = [identity for _, identity in (*a_side, *b_side)]
+    if any("unfinished" in i for i in identities):
+        md.append("- an evaluation is unfinished: its routes not driven yet are left out or averaged over fewer "
+                  "repetitions, so these figures will move; compare again when it ends (re-running carl-eval resumes)")
     if len({str(i.get("benchmark_config")) for i in identities}) > 1:
         md.append("- the benchmarks' options differ (benchmark_config): the same routes may have been driven under "
                   "other conditions")
@@ -275,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
         result = compare([r for _, _, r in a_side], [r for _, _, r in b_side])
     except EvalError as exc:
         sys.exit(f"carl-compare: {exc}")
+    for path, identity, _ in (*a_side, *b_side):
+        if "unfinished" in identity:
+            print("carl-compare: warning: {} is unfinished ({} of {} route runs); its figures will move".format(
+                path, *identity["unfinished"]), file=sys.stderr)
     md = to_markdown(result, [(p, i) for p, i, _ in a_side], [(p, i) for p, i, _ in b_side])
     print(md, end="")
     if args.out:
