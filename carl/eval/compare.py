@@ -51,7 +51,7 @@ def load_records(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
         raise EvalError(f"{file} holds no finished route yet; run carl-eval to the end (re-running it resumes)")
     identity = dict(data.get("carl") or {})
     done, total = (data["_checkpoint"].get("progress") or [len(records), len(records)])[:2]
-    if data.get("entry_status") != "Finished" and done < total:  # still running, or stopped: compared as it stands
+    if done < total:  # still running, or stopped: compared as it stands
         identity["unfinished"] = [int(done), int(total)]
     return identity, records
 
