@@ -96,7 +96,7 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
 
 
 def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
-    """towns_vector_clone changes only the teacher, the cloning schedule (a floor of 0.2), the samples, three
+    """towns_vector_clone changes only the teacher, the cloning schedule (a floor of 0.2), the samples and epochs, three
     scenario weights (longest6's right turns 76 -> 600, emergency vehicles 43 -> 150, cyclists 2 -> 60), the actors'
     view (60 -> 120 m) and the speeding factor (off), and validates (the sim backend has an expert)."""
     from carl.config import TrainConfig
@@ -105,7 +105,7 @@ def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
     clone = OmegaConf.to_container(compose(["+experiment=towns_vector_clone"]))
     base = OmegaConf.to_container(compose(["+experiment=towns_vector"]))
     assert clone["ppo"] == {**base["ppo"], "teacher": "expert", "bc_coef": 3.0, "bc_until": 1.0, "bc_final": 0.2,
-                            "teacher_every": 2, "total_timesteps": 24_000_000}
+                            "teacher_every": 2, "total_timesteps": 36_000_000, "update_epochs": 2}
     options = base["env"]["options"]
     assert options["scenario_weights"][3:] == [76.0, 43.0, 2.0]  # the towns preset's: longest6 v2's own counts
     assert clone["env"]["options"] == {**options, "scenario_weights": [*options["scenario_weights"][:3], 600.0,
