@@ -121,9 +121,11 @@ class ParallelConfig:
     bf16: bool | str = option(False, "bfloat16 autocast for the network; auto: on where the device has native bf16 "
                                      "(CUDA, or a CPU with AVX-512 BF16 / AMX; 1.6x faster PPO updates there, "
                                      "docs/training.md)", choices=(True, False, "auto"))
-    compile: bool = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler); 30-60 s "
-                                  "of compiling at the start; on a 2-core CPU the gain is within the noise of a "
-                                  "VM's runs (docs/training.md, two observation paths): measure on yours")
+    compile: bool | str = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler); "
+                                        "30-60 s of compiling at the start; auto: on CUDA and on CPUs with AMX, "
+                                        "where the set policy's update ran 1.4x faster (on a Zen 4 the gain was "
+                                        "within a VM's noise, on a Zen 3 it was slower; docs/training.md)",
+                                 choices=(True, False, "auto"))
     torch_threads: int = option(0, "CPU threads of PyTorch; 0 = its default", ge=0)
     # -- multi-process (torchrun); ignored with one process. See docs/distributed.md --
     sync: str = option("allreduce", "gradient-sync method: " + "; ".join(f"{k}: {v}" for k, v in SYNC_METHODS.items()),
@@ -639,19 +641,26 @@ def _benchmark_env(name: str) -> str:
     return str(OmegaConf.load(CONF_DIR / "benchmark" / f"{name}.yaml").get("env", "sim"))
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), where the compiled network pays most."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); elsewhere bf16 autocast is slower."""
     import torch
 
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return bool(torch.cpu._is_avx512_bf16_supported() or amx())
+    return bool(torch.cpu._is_avx512_bf16_supported() or cpu_has_amx())
 
 
 def cpu_line() -> str:
     """The CPU a figure was measured on, as every figure must name it (the same code runs up to 4x slower on one
     2-core machine than on another): model, family and model numbers (VMs often hide the full name), the CPUs this
-    process may use, the vector ISA torch dispatches to and native bf16; e.g. ``AMD EPYC (family 25 model 1), 2 CPUs,
-    AVX2, bf16: no``."""
+    process may use, the vector ISA torch dispatches to, native bf16 and AMX tiles; e.g. ``AMD EPYC (family 25
+    model 1), 2 CPUs, AVX2, bf16: no``, ``Intel(R) Xeon(R) Processor (family 6 model 207), 2 CPUs, AVX512, bf16: yes,
+    AMX``."""
     import os
     import platform
 
@@ -668,7 +677,7 @@ def cpu_line() -> str:
     family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info and "model" in info else ""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{name}{family}, {cpus} CPUs, {torch.backends.cpu.get_cpu_capability()}, "
-            f"bf16: {'yes' if cpu_has_bf16() else 'no'}")
+            f"bf16: {'yes' if cpu_has_bf16() else 'no'}{', AMX' if cpu_has_amx() else ''}")
 
 
 def use_bf16(cfg: TrainConfig, on_cuda: bool) -> bool:
@@ -678,6 +687,13 @@ def use_bf16(cfg: TrainConfig, on_cuda: bool) -> bool:
 
         return torch.cuda.is_bf16_supported() if on_cuda else cpu_has_bf16()
     return bool(cfg.parallel.bf16)
+
+
+def use_compile(cfg: TrainConfig, on_cuda: bool) -> bool:
+    """``parallel.compile`` resolved for the device: true/false as given, ``auto`` = on CUDA and on CPUs with AMX."""
+    if cfg.parallel.compile == "auto":
+        return on_cuda or cpu_has_amx()
+    return bool(cfg.parallel.compile)
 
 
 def check_device(cfg: TrainConfig, cuda_available: bool, cpu_bf16: bool | None = None) -> None:

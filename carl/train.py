@@ -40,7 +40,7 @@ from carl import config
 from carl import sweep
 from carl.bundle import BundleError, load_initial_weights
 from carl.cli import Command, quote, run_command
-from carl.config import ConfigError, TrainConfig, check_device, use_bf16
+from carl.config import ConfigError, TrainConfig, check_device, use_bf16, use_compile
 from carl.eval.during_training import Evaluation, run_benchmark
 from carl.eval.store import headline, keeps_final
 from carl.factory import make_env
@@ -303,7 +303,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     say(f"run folder: {run_dir}", flush=True)
     if loaded:
         say(loaded, flush=True)
-    if cfg.parallel.compile:
+    if use_compile(cfg, device.type == "cuda"):
         compile_network(policy)
     try:
         sync = make_sync(policy, ctx, cfg.parallel)  # one process: the no-op method (its stats only); DDP broadcasts rank 0's weights

@@ -6,8 +6,8 @@
 
 Each preset runs one warm-up update (not timed) and ``--updates`` timed updates of the real trainer (rollout +
 PPO update). If the configured env cannot be built (e.g. the simulator is missing), the test fake env with the same
-BEV size is used and the line says ``"env": "fake"``. With ``parallel.compile=true`` among the overrides the network
-compiles during the warm-up update (``"compiled": true`` in the line).
+BEV size is used and the line says ``"env": "fake"``. With ``parallel.compile=true`` among the overrides (or ``auto``
+on a CPU with AMX) the network compiles during the warm-up update (``"compiled": true`` in the line).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from carl.config import ConfigError, TrainConfig, check_device, cpu_line, use_bf16  # noqa: E402
+from carl.config import ConfigError, TrainConfig, check_device, cpu_line, use_bf16, use_compile  # noqa: E402
 from carl.monitor import PhaseTimer  # noqa: E402
 from carl.policy import compile_network, make_policy  # noqa: E402
 from carl.ppo import PPOTrainer  # noqa: E402
@@ -66,7 +66,8 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
     policy = make_policy(env.observation_spec, env.action_spec.names, cfg.model).to(dev)
     timer = PhaseTimer(cuda_sync=dev.type == "cuda")
     check_device(cfg, torch.cuda.is_available())
-    if cfg.parallel.compile:  # compiled during the warm-up update
+    compiled = use_compile(cfg, dev.type == "cuda")
+    if compiled:  # compiled during the warm-up update
         compile_network(policy)
     bf16 = use_bf16(cfg, dev.type == "cuda")
     trainer = PPOTrainer(policy, env, cfg.ppo, timer, bf16=bf16)
@@ -97,7 +98,7 @@ def bench(name: str, overrides: list[str], device: str, updates: int) -> dict:
         "update_s": round(phases["update"] / updates, 3),
         "threads": torch.get_num_threads(),
         "bf16": bf16,
-        "compiled": bool(cfg.parallel.compile),
+        "compiled": compiled,
         "cpu": cpu_line(),
     }
 

@@ -80,6 +80,24 @@ def test_bf16_refused_on_cpu_without_it() -> None:
         load_config(["parallel.bf16=yes"])
 
 
+def test_compile_auto_resolves_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``parallel.compile=auto`` compiles on CUDA and on a CPU with AMX tiles, nowhere else; true and false are kept
+    as given; any other value is refused by name."""
+    import torch
+
+    from carl.config import use_compile
+
+    auto = load_config(["parallel.compile=auto"])
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert use_compile(auto, on_cuda=True) is True
+        assert use_compile(auto, on_cuda=False) is amx
+        assert use_compile(load_config(["parallel.compile=false"]), on_cuda=True) is False
+        assert use_compile(load_config(["parallel.compile=true"]), on_cuda=False) is True
+    with pytest.raises(ConfigError, match="parallel.compile='always' must be true, false or auto"):
+        load_config(["parallel.compile=always"])
+
+
 # -- one source of defaults ---------------------------------------------------------------------------------------
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
