@@ -523,8 +523,11 @@ class RouteScenarios(Part):
         done_ok = (c.status == DONE) & ~c.collided & ~c.timed_out & ~c.preempted
         flags = torch.stack((c.status > PENDING, done_ok, c.collided, c.timed_out, c.preempted, c.status == PENDING),
                             -1) & real.unsqueeze(-1)  # [B,K,O]
-        onehot = tab.type[c.scn].unsqueeze(-1) == torch.arange(len(SCENARIO_TYPES), device=c.scn.device)  # [B,K,T]
-        table = torch.einsum("bkt,bko->tob", onehot.float(), flags.float()).flatten(0, 1).unbind(0)
+        # per type: a scatter-add over the scenarios (a one-hot einsum ran as 1,024 tiny matmuls, 5x slower on CPU)
+        (B, K, O), T = flags.shape, len(SCENARIO_TYPES)
+        per_type = flags.new_zeros((B, T, O), dtype=torch.float32).scatter_add_(
+            1, tab.type[c.scn].unsqueeze(-1).expand(B, K, O), flags.float())  # [B,T,O]
+        table = per_type.permute(1, 2, 0).reshape(T * O, B).unbind(0)
         keys = (f"episode/scenarios/{name}/{o}" for name in SCENARIO_TYPES for o in SCENARIO_OUTCOMES)
         info = dict(zip(keys, table))
         info["episode/infractions/scenario_timeout"] = c.timeouts.float()
