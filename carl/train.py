@@ -20,16 +20,14 @@ the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -52,8 +50,8 @@ from carl.policy import compile_network, describe, make_policy
 from carl.ppo import PPOTrainer
 from carl.run_checkpoints import Checkpoints
 from carl.runlock import RunLock, claim_run_dir
+from carl.stop import StopRequest
 from envs.api import BatchedEnv
-
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -120,43 +118,6 @@ def rank_routes(options: dict[str, Any], num_envs: int, rank: int, world_size: i
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Signals
-# ------------------------------------------------------------------------------------------------------------------
-class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop finishes the current env step, saves last.pt and exits 0. Once the
-    checkpoints are saved (the final evaluations, :meth:`at_once`) a signal stops at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name = ""
-        self.immediate = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.immediate or (self.requested and signum == signal.SIGINT):  # a second Ctrl-C aborts at once
-            self.signal_name = signal.Signals(signum).name
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-        print(f"\n{self.signal_name} received: finishing the current step, then saving last.pt", file=sys.stderr, flush=True)
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    @contextlib.contextmanager
-    def at_once(self) -> Iterator[None]:
-        """Inside, a signal stops at once (KeyboardInterrupt): for work after the checkpoints are saved."""
-        self.immediate = True
-        try:
-            yield
-        finally:
-            self.immediate = False
-
-
-# ------------------------------------------------------------------------------------------------------------------
 # Training
 # ------------------------------------------------------------------------------------------------------------------
 def seed_everything(seed: int) -> None:
@@ -215,15 +176,27 @@ def update_stats(metrics: dict[str, float], trainer: PPOTrainer, sync: SyncMetho
 
 
 def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: dict[str, float], update: int,
-                      num_updates: int, global_step: int, best_ds: float, last: bool) -> float:
-    """Evaluate when due (best.pt on a new best) and write the checkpoints due; returns the best score so far."""
-    evaluating = evaluation.due(update, num_updates)
+                      num_updates: int, global_step: int, best_ds: float, last: bool,
+                      stop: StopRequest | None = None) -> float:
+    """Evaluate when due (best.pt on a new best) and write the checkpoints due; returns the best score so far.
+    With ``stop`` (one process), a stop asked for skips the evaluation, and a signal during it cuts it short (it can
+    take minutes), so that the loop saves last.pt and exits."""
+    evaluating = evaluation.due(update, num_updates) and not (stop is not None and stop.requested)
     files = checkpoints.due(update, last=last)
     if files or evaluating:  # every rank decides alike, so the state gather is collective
         checkpoints.gather()
     if evaluating:
         t_eval = time.perf_counter()
-        result = evaluation.run(f"update_{update:06d}", update, global_step)
+        if stop is None:
+            result = evaluation.run(f"update_{update:06d}", update, global_step)
+        else:
+            try:
+                with stop.at_once():
+                    result = evaluation.run(f"update_{update:06d}", update, global_step)
+            except KeyboardInterrupt:  # the loop saves last.pt and exits
+                stop.requested, result = True, None
+                print(f"\n{stop.signal_name} received during the evaluation of update {update}: it stopped; "
+                      "saving last.pt", file=sys.stderr, flush=True)
         stats["time/eval"] = time.perf_counter() - t_eval
         if result is not None and headline(result) > best_ds:
             best_ds = headline(result)
@@ -366,7 +339,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         if ctx.distributed and ctx.any(stop.requested):
             stop.requested, stop.signal_name = True, stop.signal_name or "a signal to another rank"
         best_ds = evaluate_and_save(evaluation, checkpoints, stats, update, num_updates, global_step, best_ds,
-                                    last=stop.requested or update == num_updates)
+                                    last=stop.requested or update == num_updates,
+                                    stop=None if ctx.distributed else stop)  # ranks agree on a stop per update
         write_logs(stats, tb, video, bar, cfg, run_dir, update, num_updates, global_step, say)
         if stop.requested:
             status = f"stopped by {stop.signal_name}"

@@ -204,6 +204,64 @@ def test_a_signal_during_the_final_evaluation_stops_it_at_once(tmp_path: Path) -
     assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 2
 
 
+def test_a_signal_during_a_periodic_evaluation_stops_it_and_saves(tmp_path: Path) -> None:
+    """A periodic evaluation can take minutes: SIGINT during it (here: episodes that would run 10^6 steps) stops it,
+    saves last.pt of the update just trained and exits 0 within seconds, as a stop between evaluations does."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "++env.options.episode_length=1000000", "logging.eval_max_steps=1000000", "logging.eval_every=1",
+            "ppo.total_timesteps=100000", f"run_dir={run_dir}"]
+    started = []
+
+    def evaluating() -> bool:  # update 1 takes well under a second; its evaluation never ends on its own
+        if not (run_dir / "config.yaml").exists():
+            return False
+        started.append(time.time())
+        return time.time() - started[0] > 8.0
+
+    code, out, err = _signal_run(args, evaluating, signal.SIGINT, 30)
+    assert code == 0, err
+    assert "SIGINT received during the evaluation of update 1: it stopped; saving last.pt" in err
+    assert "stopped by SIGINT" in out and "resume=" in out
+    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 1
+    assert not (run_dir / "eval" / "update_000001.json").exists()
+
+
+def test_a_stop_before_a_due_evaluation_skips_it() -> None:
+    """A stop asked for while an update trains: the evaluation due after it is skipped, the checkpoints due (last.pt
+    with ``last``) are written; without ``stop`` (several ranks, which agree on a stop per update) it runs."""
+    from carl.stop import StopRequest
+    from carl.train import evaluate_and_save
+
+    class Evaluation:
+        runs: list[int] = []
+
+        def due(self, update: int, num_updates: int) -> bool:
+            return True
+
+        def run(self, name: str, update: int, global_step: int) -> dict:
+            self.runs.append(update)
+            return {"driving_score": 1.0}
+
+    class Checkpoints:
+        saved: list[str] = []
+
+        def due(self, update: int, last: bool) -> list[str]:
+            return ["last.pt"] if last else []
+
+        def gather(self) -> None:
+            pass
+
+        def save(self, name: str, update: int, global_step: int, best_ds: float) -> None:
+            self.saved.append(name)
+
+    ev, ck, stop = Evaluation(), Checkpoints(), StopRequest()
+    stop.requested = True
+    assert evaluate_and_save(ev, ck, {}, 3, 10, 48, 0.0, last=True, stop=stop) == 0.0  # type: ignore[arg-type]
+    assert ev.runs == [] and ck.saved == ["last.pt"]
+    evaluate_and_save(ev, ck, {}, 4, 10, 64, 0.0, last=False, stop=None)  # type: ignore[arg-type]
+    assert ev.runs == [4]
+
+
 def test_runs_of_any_seed_are_evaluated_on_the_same_held_out_routes() -> None:
     """The held-out evaluation's env is built from ``logging.eval_seed``, whatever the training ``seed``."""
     from carl.cli import load_config
