@@ -123,7 +123,7 @@ class ParallelConfig:
                                      "docs/training.md)", choices=(True, False, "auto"))
     compile: bool | str = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler); "
                                         "30-60 s of compiling at the start; auto: on CUDA and on CPUs with AMX, "
-                                        "where the set policy's update ran 1.4x faster (on a Zen 4 the gain was "
+                                        "where the set policy's update ran 1.4-1.7x faster (on a Zen 4 the gain was "
                                         "within a VM's noise, on a Zen 3 it was slower; docs/training.md)",
                                  choices=(True, False, "auto"))
     torch_threads: int = option(0, "CPU threads of PyTorch; 0 = its default", ge=0)
