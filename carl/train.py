@@ -20,6 +20,7 @@ the whole algorithm: collect, update, log, evaluate, checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -187,16 +188,15 @@ def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: d
         checkpoints.gather()
     if evaluating:
         t_eval = time.perf_counter()
-        if stop is None:
-            result = evaluation.run(f"update_{update:06d}", update, global_step)
-        else:
-            try:
-                with stop.at_once():
-                    result = evaluation.run(f"update_{update:06d}", update, global_step)
-            except KeyboardInterrupt:  # the loop saves last.pt and exits
-                stop.requested, result = True, None
-                print(f"\n{stop.signal_name} received during the evaluation of update {update}: it stopped; "
-                      "saving last.pt", file=sys.stderr, flush=True)
+        try:
+            with stop.at_once() if stop is not None else contextlib.nullcontext():
+                result = evaluation.run(f"update_{update:06d}", update, global_step)
+        except KeyboardInterrupt:
+            if stop is None:  # several ranks: a second Ctrl-C aborts as anywhere else
+                raise
+            stop.requested, result = True, None  # the loop saves last.pt and exits
+            print(f"\n{stop.signal_name} received during the evaluation of update {update}: it stopped; saving "
+                  "last.pt", file=sys.stderr, flush=True)
         stats["time/eval"] = time.perf_counter() - t_eval
         if result is not None and headline(result) > best_ds:
             best_ds = headline(result)

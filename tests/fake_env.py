@@ -9,6 +9,8 @@ Selected from the CLI with ``env.name=tests.fake_env:make_fake_env``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from envs.api import BatchedEnv, StepResult, TensorSpec
@@ -25,8 +27,11 @@ class FakeDrivingEnv(BatchedEnv):
         episode_length: int = 16,
         keep_final_obs: bool = False,
         route_split: str = "train",
+        built_marker: str = "",
         **_ignored: object,
     ) -> None:
+        if built_marker:  # a file touched once the env is built, for tests that wait for a stage (an evaluation)
+            Path(built_marker).touch()
         self.num_envs = num_envs
         self.device = torch.device(device)
         self.bev_size, self.bev_channels = bev_size, bev_channels
