@@ -98,7 +98,8 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
 def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
     """towns_vector_clone changes only the teacher, the cloning schedule (a floor of 0.2), the samples and epochs, three
     scenario weights (longest6's right turns 76 -> 600, emergency vehicles 43 -> 150, cyclists 2 -> 60), the actors'
-    view (60 -> 120 m) and the speeding factor (off), and validates (the sim backend has an expert)."""
+    view (60 -> 120 m), the speeding factor (off) and the held-out evaluations (every 480 updates: 4 in the run, not
+    18), and validates (the sim backend has an expert)."""
     from carl.config import TrainConfig
     from carl.train import train_config
 
@@ -113,4 +114,6 @@ def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
                                        "vector": {**options["vector"], "actor_radius": 120.0},
                                        "reward": {**options.get("reward", {}), "use_speeding": False}}
     assert (clone["model"], clone["env"]["eval_options"]) == (base["model"], base["env"]["eval_options"])
+    assert clone["logging"] == {**base["logging"], "eval_every": 480}
+    assert clone["ppo"]["total_timesteps"] // (clone["env"]["num_envs"] * clone["ppo"]["num_steps"]) // 480 == 4
     assert isinstance(train_config(["+experiment=towns_vector_clone"]), TrainConfig)
