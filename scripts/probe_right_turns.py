@@ -12,47 +12,22 @@ of it (a policy that ignores the stream gives the same action). docs/training.md
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import sys
 
 import torch
-from omegaconf import OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from carl.eval.benchmarks import resolve_benchmark  # noqa: E402
-from carl.eval.loop import make_group_env  # noqa: E402
-from carl.eval.policies import resolve_policy  # noqa: E402
+from longest6_probe import parse_args, policy_envs  # the script's folder is on sys.path; it adds the repository
 from envs.sim.scenario_world import FLOW_SLOTS, RIGHT  # noqa: E402
 from envs.sim.scenarios import LIVE  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOIN_M = 2.0  # m: the ego's centre this close to the stream's path has joined it
 GREEN_S = 5.0  # s: the ego's light is red this long after activation (scenarios.md §3.3)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", default="zoo:towns_vector", help="expert, a checkpoint, a bundle or zoo:<name>")
-    p.add_argument("--towns", nargs="+", default=None, help="longest6 towns (default: all six)")
-    p.add_argument("--seed", type=int, default=0, help="the evaluation's traffic seed")
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    bcfg = OmegaConf.to_container(OmegaConf.load(os.path.join(REPO, "conf/benchmark/longest6.yaml")))
-    bcfg["towns"] = args.towns
-    bench, dev = resolve_benchmark(bcfg), torch.device("cpu")
-    policy = resolve_policy(args.policy, dev)
-    probes = []
-    for group in bench.groups:
-        env = make_group_env(group, group.num_routes, dev, args.seed, policy.env_options())
-        try:
-            probes.append(drive(env, policy.make(env, "sim"), args.seed))
-        finally:
-            env.close()
+    args = parse_args(__doc__)
+    probes = [drive(env, act, args.seed) for env, act in policy_envs(args)]
     lon = torch.cat(probes)
     summary = {"policy": args.policy, "probe_states": len(lon)}
     if len(lon):
