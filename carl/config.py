@@ -75,11 +75,18 @@ class PPOConfig:
     (batch 4096, minibatch 1024); +experiment=carl_carla sets the 300M sizes."""
 
     total_timesteps: int = option(10_000_000, "samples to train on (all ranks together)", ge=1)
+    train_for_seconds: float = option(0.0, "a wall-clock budget for the run (resumes included; the final evaluation "
+                                           "not): it ends at whichever of total_timesteps and this comes first, and "
+                                           "the schedules (lr, bc) follow whichever is further along, so that a "
+                                           "slower machine trains on fewer samples but completes them; 0: samples "
+                                           "only", ge=0)
     num_steps: int = option(512, "rollout length per env; batch = env.num_envs * num_steps", ge=1)
     minibatch_size: int = option(1024, "global minibatch (all ranks); must divide the batch", ge=1)
     update_epochs: int = option(3, "passes over the batch per update", ge=1)
     learning_rate: float = option(2.5e-4, "Adam's learning rate", gt=0)
-    anneal_lr: bool = option(True, "linear decay: lr = lr0 * (1 - (update - 1) / num_updates)")
+    anneal_lr: bool = option(True, "linear decay: lr = lr0 * (1 - progress), progress the share of the run done "
+                                   "before the update ((update - 1) / num_updates, or the share of "
+                                   "ppo.train_for_seconds spent where that is larger)")
     adam_eps: float = option(1e-5, "Adam's epsilon", gt=0)
     gamma: float = option(0.99, "discount", ge=0, le=1)
     gae_lambda: float = option(0.95, "GAE's lambda", ge=0, le=1)

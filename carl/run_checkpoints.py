@@ -67,10 +67,14 @@ class Checkpoints:
             self.rank_states = self.ctx.gather_to_main({"env": self.env.state_dict(), "rng": ckpt_lib.capture_rng(),
                                                         "sync": self.sync.rank_state_dict()}, "checkpoint state")
 
+    def seconds(self) -> float:
+        """The run's wall time so far, every run that led here included (what ``ppo.train_for_seconds`` budgets)."""
+        return self.provenance["seconds_before"] + time.perf_counter() - self.t0
+
     def save(self, name: str, update: int, global_step: int, best_ds: float) -> None:
         if not self.ctx.is_main:
             return
-        seconds = self.provenance["seconds_before"] + time.perf_counter() - self.t0
+        seconds = self.seconds()
         extra: dict[str, Any] = {"best_driving_score": best_ds, "control_dt": float(self.env.control_dt),
                                  "provenance": {**self.provenance, "seconds": round(seconds, 1)}}
         if self.ctx.distributed:

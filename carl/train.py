@@ -49,6 +49,7 @@ from carl.parallel.context import run_as_rank
 from carl.parallel.launch import check_world
 from carl.policy import compile_network, describe, make_policy
 from carl.ppo import PPOTrainer
+from carl.progress import RunProgress
 from carl.run_checkpoints import Checkpoints
 from carl.runlock import RunLock, claim_run_dir
 from carl.stop import StopRequest
@@ -140,10 +141,9 @@ def train(cfg: TrainConfig) -> int:
         ctx.shutdown()
 
 
-def rollout_progress(bar: ProgressBar, video: VideoRecorder, update: int, num_updates: int, global_step: int,
-                     steps_this_run: int, t_begin: float, num_envs: int) -> Callable[[dict[str, torch.Tensor],
-                                                                                   torch.Tensor], None]:
-    """The collector's per-step callback: the video's frames and the progress bar's samples and rate."""
+def rollout_progress(bar: ProgressBar, video: VideoRecorder, label: str, global_step: int, steps_this_run: int,
+                     t_begin: float, num_envs: int) -> Callable[[dict[str, torch.Tensor], torch.Tensor], None]:
+    """The collector's per-step callback: the video's frames and the progress bar's samples, rate and ``label``."""
     step_count = 0
 
     def on_step(obs: dict[str, torch.Tensor], done: torch.Tensor) -> None:
@@ -152,7 +152,7 @@ def rollout_progress(bar: ProgressBar, video: VideoRecorder, update: int, num_up
         video.on_step(obs, done)
         elapsed = time.perf_counter() - t_begin
         bar.update(global_step + step_count * num_envs, (steps_this_run + step_count * num_envs) / max(elapsed, 1e-9),
-                   f"update {update}/{num_updates}")
+                   label)
 
     return on_step
 
@@ -177,12 +177,12 @@ def update_stats(metrics: dict[str, float], trainer: PPOTrainer, sync: SyncMetho
 
 
 def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: dict[str, float], update: int,
-                      num_updates: int, global_step: int, best_ds: float, last: bool,
-                      stop: StopRequest | None = None) -> float:
-    """Evaluate when due (best.pt on a new best) and write the checkpoints due; returns the best score so far.
+                      global_step: int, best_ds: float, last: bool, stop: StopRequest | None = None) -> float:
+    """Evaluate when due (best.pt on a new best; not after the ``last`` update, which the final evaluation scores, nor
+    after a stop) and write the checkpoints due; returns the best score so far.
     With ``stop`` (one process), a stop asked for skips the evaluation, and a signal during it cuts it short (it can
     take minutes), so that the loop saves last.pt and exits."""
-    evaluating = evaluation.due(update, num_updates) and not (stop is not None and stop.requested)
+    evaluating = evaluation.due(update) and not last and not (stop is not None and stop.requested)
     files = checkpoints.due(update, last=last)
     if files or evaluating:  # every rank decides alike, so the state gather is collective
         checkpoints.gather()
@@ -226,7 +226,8 @@ def final_evaluation(evaluation: Evaluation, run_dir: Path, signature: dict[str,
 
 
 def write_logs(stats: dict[str, float], tb: TBLogger, video: VideoRecorder, bar: ProgressBar, cfg: TrainConfig,
-               run_dir: Path, update: int, num_updates: int, global_step: int, say: Callable[..., None]) -> None:
+               run_dir: Path, update: int, num_updates: int, global_step: int, last: bool,
+               say: Callable[..., None]) -> None:
     """The update's video (when one was recorded), TensorBoard scalars and, when due, the summary line (``say``:
     print on rank 0)."""
     frames = video.take()
@@ -236,7 +237,7 @@ def write_logs(stats: dict[str, float], tb: TBLogger, video: VideoRecorder, bar:
         say(f"video: {where}", flush=True)
     tb.scalars(stats, global_step)
     tb.flush()
-    if update % cfg.logging.summary_every == 0 or update == num_updates:
+    if update % cfg.logging.summary_every == 0 or last:
         bar.clear()
         say(summary_line(update, num_updates, global_step, stats["charts/SPS"], stats), flush=True)
 
@@ -316,18 +317,28 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     should_stop = (lambda: False) if ctx.distributed else stop
     bar = ProgressBar(cfg.ppo.total_timesteps, cfg.logging.progress_bar and ctx.is_main)
     video = VideoRecorder(cfg.logging.video_max_frames)
+    progress = RunProgress(num_updates, cfg.ppo.train_for_seconds, checkpoints.seconds, ctx)
+    if progress.budget:
+        say(f"time budget: {progress.budget:,.1f} s (ppo.train_for_seconds; {progress.seconds:,.1f} s spent): the run "
+            f"ends at update {num_updates} or when it is spent, the schedules follow whichever is further along",
+            flush=True)
 
     # -- the loop: collect, update, log, evaluate, checkpoint ------------------------------------------------------
     t_begin, steps_this_run, status = time.perf_counter(), 0, "finished"
     update = start_update
-    for update in range(start_update + 1, num_updates + 1):
-        lr = trainer.set_learning_rate(update, num_updates)
+    first = start_update + 1
+    if cfg.resume and progress.spent():  # straight to the end (a fresh run trains at least one update)
+        say(f"time budget already spent ({progress.seconds:,.1f} of {progress.budget:,.1f} s): nothing left to train; "
+            "lift it with ppo.train_for_seconds=<more> or 0", flush=True)
+        first = num_updates + 1
+    for update in range(first, num_updates + 1):
+        lr = trainer.set_schedule(progress.fraction(update))
         if cfg.logging.video_every and update % cfg.logging.video_every == 0:
             video.arm(update)
         t0 = time.perf_counter()
-        progress = rollout_progress(bar, video, update, num_updates, global_step, steps_this_run, t_begin,
-                                    cfg.env.num_envs)
-        if not trainer.collect(should_stop=should_stop, on_step=progress):
+        on_step = rollout_progress(bar, video, f"update {update}/{num_updates} {progress.describe()}", global_step,
+                                   steps_this_run, t_begin, cfg.env.num_envs)
+        if not trainer.collect(should_stop=should_stop, on_step=on_step):
             update -= 1  # this rollout is discarded; last.pt holds the last completed update
             status = f"stopped by {stop.signal_name}"
             break
@@ -338,12 +349,18 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
         stats = update_stats(metrics, trainer, sync, timer, ctx, lr, batch / (time.perf_counter() - t0), update)
         if ctx.distributed and ctx.any(stop.requested):
             stop.requested, stop.signal_name = True, stop.signal_name or "a signal to another rank"
-        best_ds = evaluate_and_save(evaluation, checkpoints, stats, update, num_updates, global_step, best_ds,
-                                    last=stop.requested or update == num_updates,
+        progress.tick()
+        last = update == num_updates or progress.spent()
+        best_ds = evaluate_and_save(evaluation, checkpoints, stats, update, global_step, best_ds,
+                                    last=stop.requested or last,
                                     stop=None if ctx.distributed else stop)  # ranks agree on a stop per update
-        write_logs(stats, tb, video, bar, cfg, run_dir, update, num_updates, global_step, say)
+        write_logs(stats, tb, video, bar, cfg, run_dir, update, num_updates, global_step, last, say)
         if stop.requested:
             status = f"stopped by {stop.signal_name}"
+            break
+        if progress.spent():
+            say(f"time budget spent ({progress.seconds:,.1f} of {progress.budget:,.1f} s) after update {update} of "
+                f"{num_updates} ({global_step:,} samples)", flush=True)
             break
 
     # -- the end: an interrupted run saves and says how to continue; a finished one is evaluated (rank 0) ----------

@@ -46,9 +46,11 @@ def test_torchrun_train_resume_and_world_size_check(tmp_path: Path) -> None:
     assert errors[0] and errors[0].keys() == errors[1].keys() and ck["extra"]["sync"]["step"] == 8
     assert any(not torch.equal(errors[0][k], errors[1][k]) for k in errors[0])
 
-    resumed = torchrun([f"resume={run_dir}", "ppo.total_timesteps=128"])
+    # a time budget the run does not reach: rank 0's clock is broadcast after every update, the ranks go on together
+    resumed = torchrun([f"resume={run_dir}", "ppo.total_timesteps=128", "ppo.train_for_seconds=3600"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "at update 2" in resumed.stdout and "update 4/4" in resumed.stdout
+    assert "time budget: 3,600.0 s" in resumed.stdout
 
     single = subprocess.run([sys.executable, "-m", "carl.train", f"resume={run_dir}", "ppo.total_timesteps=256"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from carl.config import PPOConfig
+from carl.parallel import DistContext
 from carl.policy import CarlPolicy
 from carl.ppo import PPOTrainer, compute_gae
 from carl.ppo.loss import bc_loss, ppo_loss
+from carl.progress import RunProgress
 from tests.fake_env import make_fake_env
 
 
@@ -105,7 +107,7 @@ def test_ppo_learns_on_fake_env() -> None:
     trainer.reset(seed=0)
     returns = []
     for update in range(1, 15):
-        trainer.set_learning_rate(update, 14)
+        trainer.set_schedule((update - 1) / 14)
         trainer.collect()
         trainer.update()
         returns.append(trainer.episodes.summary()["episode/return"])
@@ -137,7 +139,7 @@ def test_a_teacher_pulls_the_mean_action_to_its_own_and_fades_out() -> None:
     before = (policy.deterministic_action(obs) - target).abs().max().item()
     weights, bc = [], []
     for update in range(1, 11):
-        trainer.set_learning_rate(update, 10)
+        trainer.set_schedule((update - 1) / 10)
         weights.append(trainer.bc_weight)
         trainer.collect()
         bc.append(trainer.update()["losses/bc_loss"])
@@ -157,9 +159,30 @@ def test_a_teacher_weight_with_a_floor_decays_to_it_and_stays() -> None:
     trainer = PPOTrainer(CarlPolicy(env.observation_spec), env, cfg, teacher=lambda obs: torch.zeros(2, 2))
     weights = []
     for update in range(1, 11):
-        trainer.set_learning_rate(update, 10)
+        trainer.set_schedule((update - 1) / 10)
         weights.append(trainer.bc_weight)
     assert weights[:3] == pytest.approx([2.0, 1.7, 1.4]) and weights[5:] == pytest.approx([0.5] * 5)
+
+
+def test_a_time_budget_drives_the_schedule_where_it_is_further_along_than_the_updates() -> None:
+    """``ppo.train_for_seconds``: 10 updates, a 100 s budget, the clock read after each update. Before update 1 at
+    0 s the progress is 0; at 30 s before update 2 it is max(1/10, 30/100) = 0.3; at 35 s before update 6 it is
+    max(5/10, 0.35) = 0.5; at 100 s the budget is spent. lr0 2e-3 gives 2e-3, 1.4e-3 and 1e-3; bc_coef 2 with
+    bc_until 0.5, bc_final 0.25: 2 * (0.25 + 0.75 * (1 - 0.3 / 0.5)) = 1.1 at 0.3, and the floor 0.5 from 0.5 on."""
+    readings = iter([0.0, 30.0, 35.0, 100.0])
+    progress = RunProgress(10, 100.0, lambda: next(readings), DistContext())
+    env = make_fake_env(2, "cpu", seed=0, bev_size=24, bev_channels=3, episode_length=16)
+    cfg = PPOConfig(num_steps=4, minibatch_size=8, learning_rate=2e-3, bc_coef=2.0, bc_until=0.5, bc_final=0.25)
+    trainer = PPOTrainer(CarlPolicy(env.observation_spec), env, cfg, teacher=lambda obs: torch.zeros(2, 2))
+    seen = []
+    for update in (1, 2, 6):
+        seen.append((progress.fraction(update), trainer.set_schedule(progress.fraction(update)), trainer.bc_weight))
+        assert not progress.spent()
+        progress.tick()
+    assert seen == [pytest.approx(x) for x in [(0.0, 2e-3, 2.0), (0.3, 1.4e-3, 1.1), (0.5, 1e-3, 0.5)]]
+    assert progress.spent() and progress.fraction(7) == 1.0
+    plain = RunProgress(10, 0.0, lambda: 1e9, DistContext())  # no budget: updates alone, never spent
+    assert plain.fraction(6) == 0.5 and not plain.spent() and plain.describe() == ""
 
 
 def test_a_teacher_asked_every_nth_step_labels_those_steps_only() -> None:
@@ -184,7 +207,7 @@ def test_a_teacher_asked_every_nth_step_labels_those_steps_only() -> None:
     cfg = PPOConfig(num_steps=16, minibatch_size=64, update_epochs=1, bc_coef=1.0, bc_until=1.0, teacher_every=4)
     trainer = PPOTrainer(CarlPolicy(env.observation_spec), env, cfg, teacher=teacher)
     trainer.reset(seed=0)
-    trainer.set_learning_rate(1, 2)
+    trainer.set_schedule(0.0)
     trainer.collect()
     assert len(calls) == 4
     assert trainer.storage.labelled[:, 0].tolist() == [1.0, 0.0, 0.0, 0.0] * 4

@@ -67,6 +67,25 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert made2["runs_before"] == [{k: made[k] for k in ("command", "commit", "cpu")}]
 
 
+def test_a_spent_time_budget_ends_the_run_and_a_resume_can_lift_it(tmp_path: Path) -> None:
+    """``ppo.train_for_seconds``: a budget shorter than one update ends the run after update 1 of 3 (last.pt and the
+    final evaluation as for a finished run); resumed under the same budget it goes straight to the end; resumed
+    without one it trains on to update 3."""
+    run_dir = tmp_path / "run"
+    tiny = [*TINY, "ppo.total_timesteps=48", "ppo.train_for_seconds=0.001"]
+    first = run([*tiny, f"run_dir={run_dir}"])
+    assert first.returncode == 0, first.stderr
+    assert "time budget spent" in first.stdout and "after update 1 of 3 (16 samples)" in first.stdout
+    assert torch.load(run_dir / "last.pt", weights_only=True)["update"] == 1
+    assert (run_dir / "eval/final.json").is_file()
+    same = run([f"resume={run_dir}"])
+    assert same.returncode == 0, same.stderr
+    assert "update 2/3" not in same.stdout and torch.load(run_dir / "last.pt", weights_only=True)["update"] == 1
+    lifted = run([f"resume={run_dir}", "ppo.train_for_seconds=0"])
+    assert lifted.returncode == 0, lifted.stderr
+    assert "update 3/3" in lifted.stdout and torch.load(run_dir / "last.pt", weights_only=True)["update"] == 3
+
+
 def test_a_compiled_network_trains_on_cpu_and_saves_the_plain_module_s_weights(tmp_path: Path) -> None:
     """``parallel.compile=true`` on CPU: the run trains through the compiled forward (its torch cache in
     ``tmp_path``), and last.pt holds the same parameter names as an uncompiled run's, so evaluation, export and
@@ -227,14 +246,15 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_and_saves(tmp_path: Path
 
 def test_a_stop_before_a_due_evaluation_skips_it() -> None:
     """A stop asked for while an update trains: the evaluation due after it is skipped, the checkpoints due (last.pt
-    with ``last``) are written; without ``stop`` (several ranks, which agree on a stop per update) it runs."""
+    with ``last``) are written; without ``stop`` (several ranks, which agree on a stop per update) it runs, except
+    after the last update (the final evaluation scores that one)."""
     from carl.stop import StopRequest
     from carl.train import evaluate_and_save
 
     class Evaluation:
         runs: list[int] = []
 
-        def due(self, update: int, num_updates: int) -> bool:
+        def due(self, update: int) -> bool:
             return True
 
         def run(self, name: str, update: int, global_step: int) -> dict:
@@ -255,9 +275,10 @@ def test_a_stop_before_a_due_evaluation_skips_it() -> None:
 
     ev, ck, stop = Evaluation(), Checkpoints(), StopRequest()
     stop.requested = True
-    assert evaluate_and_save(ev, ck, {}, 3, 10, 48, 0.0, last=True, stop=stop) == 0.0  # type: ignore[arg-type]
+    assert evaluate_and_save(ev, ck, {}, 3, 48, 0.0, last=True, stop=stop) == 0.0  # type: ignore[arg-type]
     assert ev.runs == [] and ck.saved == ["last.pt"]
-    evaluate_and_save(ev, ck, {}, 4, 10, 64, 0.0, last=False, stop=None)  # type: ignore[arg-type]
+    evaluate_and_save(ev, ck, {}, 4, 64, 0.0, last=False, stop=None)  # type: ignore[arg-type]
+    evaluate_and_save(ev, ck, {}, 5, 80, 0.0, last=True, stop=None)  # type: ignore[arg-type]
     assert ev.runs == [4]
 
 

@@ -45,9 +45,9 @@ class Evaluation:
     def enabled(self) -> bool:
         return self.cfg.logging.eval_episodes > 0 and self.is_main
 
-    def due(self, update: int, num_updates: int) -> bool:
+    def due(self, update: int) -> bool:
         every = self.cfg.logging.eval_every
-        return bool(every) and update % every == 0 and update != num_updates
+        return bool(every) and update % every == 0
 
     def make_env(self, n: int) -> BatchedEnv:
         return self.build_env(n, self.seed)

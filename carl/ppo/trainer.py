@@ -75,15 +75,16 @@ class PPOTrainer:
         self.next_obs: dict[str, torch.Tensor] | None = None
 
     # -- learning rate ----------------------------------------------------------------------------------------------
-    def set_learning_rate(self, update: int, num_updates: int) -> float:
-        """CaRL's linear schedule: lr = lr0 * (1 - (update - 1) / num_updates), ``update`` counted from 1; with a
-        teacher, its weight decays the same way to ``bc_final`` x ``bc_coef`` at ``bc_until`` of the run."""
-        frac = 1.0 - (update - 1.0) / num_updates if self.cfg.anneal_lr else 1.0
-        lr = frac * self.cfg.learning_rate
+    def set_schedule(self, progress: float) -> float:
+        """CaRL's linear schedule: lr = lr0 * (1 - progress), ``progress`` the share of the run done before this
+        update (0 at the first; :class:`carl.progress.RunProgress`); with a teacher, its weight decays the same way to
+        ``bc_final`` x ``bc_coef`` at ``bc_until`` of the run. Returns the learning rate."""
+        progress = min(max(progress, 0.0), 1.0)
+        lr = (1.0 - progress if self.cfg.anneal_lr else 1.0) * self.cfg.learning_rate
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.teacher is not None:
-            left = max(0.0, 1.0 - (update - 1.0) / (self.cfg.bc_until * num_updates))
+            left = max(0.0, 1.0 - progress / self.cfg.bc_until)
             self.bc_weight = self.cfg.bc_coef * (self.cfg.bc_final + (1.0 - self.cfg.bc_final) * left)
         return lr
 
