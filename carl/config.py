@@ -78,7 +78,7 @@ class PPOConfig:
     train_for_seconds: float = option(0.0, "a wall-clock budget for the run (resumes included; the final evaluation "
                                            "not): it ends at whichever of total_timesteps and this comes first, and "
                                            "the schedules (lr, bc) follow whichever is further along, so that a "
-                                           "slower machine trains on fewer samples but completes them; 0: samples "
+                                           "slower machine completes the schedule on fewer samples; 0: samples "
                                            "only", ge=0)
     num_steps: int = option(512, "rollout length per env; batch = env.num_envs * num_steps", ge=1)
     minibatch_size: int = option(1024, "global minibatch (all ranks); must divide the batch", ge=1)
