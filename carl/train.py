@@ -178,11 +178,11 @@ def update_stats(metrics: dict[str, float], trainer: PPOTrainer, sync: SyncMetho
 
 def evaluate_and_save(evaluation: Evaluation, checkpoints: Checkpoints, stats: dict[str, float], update: int,
                       global_step: int, best_ds: float, last: bool, stop: StopRequest | None = None) -> float:
-    """Evaluate when due (best.pt on a new best; not after the ``last`` update, which the final evaluation scores, nor
-    after a stop) and write the checkpoints due; returns the best score so far.
-    With ``stop`` (one process), a stop asked for skips the evaluation, and a signal during it cuts it short (it can
-    take minutes), so that the loop saves last.pt and exits."""
-    evaluating = evaluation.due(update) and not last and not (stop is not None and stop.requested)
+    """Evaluate when due (best.pt on a new best) and write the checkpoints due; returns the best score so far.
+    ``last``: the final update, one that spent the time budget, or one after which a stop was asked for: no evaluation
+    then (the final evaluation scores the policy, or the loop saves last.pt and exits). With ``stop`` (one process), a
+    signal during an evaluation cuts it short (it can take minutes)."""
+    evaluating = evaluation.due(update) and not last
     files = checkpoints.due(update, last=last)
     if files or evaluating:  # every rank decides alike, so the state gather is collective
         checkpoints.gather()
