@@ -53,7 +53,7 @@ from envs.sim.world import bev_reach_m
 from envs.sim.observation import bev_config
 from envs.sim.parts import Observer
 from envs.sim.bev_draw import BevConfig, crop_index, crop_static, draw_boxes, draw_segments, world_to_bev
-from envs.sim.world import LightFn, World
+from envs.sim.world import ForecastFn, LightFn, World
 
 if TYPE_CHECKING:
     from envs.nuplan.logs import ScenarioLogs
@@ -239,7 +239,8 @@ class NuplanObserver(Observer):
                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(NUPLAN_VALUE_MEASUREMENTS),), torch.float32,
                                                    names=NUPLAN_VALUE_MEASUREMENTS)}
 
-    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None,
+                forecast: ForecastFn | None = None) -> dict[str, Tensor]:
         obs = {OBS_MEASUREMENTS: nuplan_measurements(s, self.order),
                OBS_VALUE_MEASUREMENTS: nuplan_value_measurements(s)}
         obs[OBS_BEV] = self.render(s, lights) if self.setup.cfg.bev else self.blank_bev()

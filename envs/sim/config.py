@@ -30,6 +30,11 @@ class VectorConfig:
     # vehicles and pedestrians also say where (route metres ahead) and when (s) their constant-velocity path first
     # meets the route ahead (envs.api.PATH_FEATURES): the gap to accept in a stream, the time a car behind needs
     path_conflicts: bool = False
+    # the route scenarios' vehicles (junction streams, the cut-in, the emergency vehicle) meet the route along their
+    # scripted paths (sampled every 0.5 s at their present speed), not a straight line: a stream bending through a
+    # junction is flagged before it turns (docs/training.md, "Paths that bend"); a backend that does not play the
+    # scenarios itself (the CARLA worker, nuPlan) keeps the straight line. Needs path_conflicts
+    scripted_paths: bool = False
     # torch.compile the observation's fixed-shape stages (route, actors, stop lines): ~2x faster on a 2-core CPU at
     # batch 1024 (docs/simulator.md, "Compiled stages"); each batch size compiles on its first step (seconds, cached
     # on disk by torch); needs a C++ compiler torch inductor supports
@@ -43,6 +48,9 @@ class VectorConfig:
         for key in ("route_spacing", "lane_spacing", "lane_radius", "actor_radius"):
             v = getattr(self, key)
             checks.need(0 < v <= 1000, f"{prefix}.{key}={v!r}: must be in (0, 1000] metres")
+        checks.need(self.path_conflicts or not self.scripted_paths,
+                    f"{prefix}.scripted_paths=true needs {prefix}.path_conflicts=true (it changes how those path "
+                    "features are measured): set both, or drop scripted_paths")
         checks.done()
 
 

@@ -199,7 +199,8 @@ class SimEnv(BatchedEnv):
     def observe(self, s: SimState | None = None, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
         """The observation of state ``s`` (default the env's); ``speed_limit`` [B] when known already."""
         s = self.state if s is None else s
-        return self.observer.observe(s, self.light_lookup(s), speed_limit)
+        forecast = (lambda taus: self.scenarios.vehicle_forecast(s, taus)) if self.scenarios.on else None
+        return self.observer.observe(s, self.light_lookup(s), speed_limit, forecast)
 
     def running_episodes(self) -> dict[str, Tensor]:
         """``episode/...`` statistics of every row's episode as it stands now (evaluation reports routes still

@@ -14,7 +14,7 @@ from envs.sim.config import SimConfig
 from envs.sim.infractions import lane_measures
 from envs.sim.parts import Observer
 from envs.sim.bev_draw import BevConfig, crop_static, draw_boxes, draw_discs, draw_segments
-from envs.sim.world import LightFn, World
+from envs.sim.world import ForecastFn, LightFn, World
 
 STATIC_LAYERS = {0: LAYER_ROAD, 2: LAYER_MARKINGS, 7: LAYER_SPEED_SIGNS, 9: LAYER_SHOULDER}
 MIN_HALF_EXTENT = 0.8  # CaRL draws actor boxes with at least 0.8 m half extent
@@ -167,7 +167,8 @@ class CarlaObserver(Observer):
                 OBS_VALUE_MEASUREMENTS: TensorSpec((len(VALUE_MEASUREMENTS),), torch.float32,
                                                    names=VALUE_MEASUREMENTS)}
 
-    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
+    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None,  # noqa: ANN001
+                forecast: ForecastFn | None = None) -> dict[str, Tensor]:
         w, cfg = self.setup.world, self.setup.cfg
         if speed_limit is None:
             speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]

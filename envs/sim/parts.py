@@ -34,7 +34,7 @@ from envs.sim.dynamics import GEAR_UP_SPEEDS, bicycle_step
 from envs.sim.geometry import wrap_angle
 from envs.sim.infractions import HISTORY
 from envs.sim.state import Setup, SimState, obstacles
-from envs.sim.world import LightFn, light_state
+from envs.sim.world import ForecastFn, LightFn, light_state
 
 RESPAWN_EVERY = 10  # steps between moves of far-away vehicles back near the ego
 
@@ -157,10 +157,12 @@ class Observer(Part, abc.ABC):
         """Shape, dtype, bounds and names of every observation key (asked once, after :meth:`bind`)."""
 
     @abc.abstractmethod
-    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:
+    def observe(self, s: SimState, lights: LightFn, speed_limit: Tensor | None = None,
+                forecast: ForecastFn | None = None) -> dict[str, Tensor]:
         """The observation of every row of ``s``; ``lights`` tells the colour of the light groups; ``speed_limit``
         [B] (m/s at the ego) when the caller has it already (the step computed it for its checks), else the
-        observer looks it up if it needs it."""
+        observer looks it up if it needs it; ``forecast`` the route scenarios' scripted vehicle paths, where the
+        backend plays them (an observer may ignore it)."""
 
     def blank_bev(self) -> Tensor:
         """The BEV of an env built with ``bev=False``: zeros as a read-only broadcast view (no memory, nothing

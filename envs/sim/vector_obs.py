@@ -38,10 +38,12 @@ from envs.sim.geometry import to_local
 from envs.sim.infractions import lane_measures
 from envs.sim.observation import measurements, stop_lines_ahead, upcoming_stop_lines, value_measurements
 from envs.sim.parts import Observer
-from envs.sim.world import LightFn, World
+from envs.sim.world import ForecastFn, LightFn, World
 
 F_ORIGIN = torch.tensor([[1.0], [0.0], [0.0]])  # which column pairs of ego_frame are positions (the first)
 GRID_CELL_M = 5.0  # m: the lane-point grid's cell (the nearest points are those of the cell centre, <= 3.6 m away)
+SCRIPTED_STEP_S = 0.5  # s between the samples of a scripted path (10 m at a junction stream's 20 m/s: a chord of a
+                       # 15 m-radius bend is within 0.9 m of the arc)
 
 
 @dataclass
@@ -196,30 +198,44 @@ def route_coordinates(xy: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Ten
     return torch.stack((along, left), -1)
 
 
-def path_meeting(xy: Tensor, vel: Tensor, route: Tensor, arc: Tensor, ok: Tensor) -> Tensor:
-    """Where and when each actor's constant-velocity path first meets the route ahead: ego-frame positions and
-    velocities [B, A, 2], the route frame's samples (``route`` [B, N, 4], their route metres ``arc`` [B, N], ``ok``
-    [B, N]) -> [B, A, 3]: route metres of the sample met, seconds until then, 1/0 (``envs.api.PATH_FEATURES``).
+def path_meeting(pts: Tensor, taus: Tensor, route: Tensor, arc: Tensor, ok: Tensor,
+                 live: Tensor | None = None) -> Tensor:
+    """Where and when each actor's path first meets the route ahead: the path as ego-frame positions [B, A, T, 2] at
+    times ``taus`` [T] (a straight line: T = 2, now and at ``PATH_HORIZON_S``), the route frame's samples (``route``
+    [B, N, 4], their route metres ``arc`` [B, N], ``ok`` [B, N]) -> [B, A, 3]: route metres of the sample met, seconds
+    until then, 1/0 (``envs.api.PATH_FEATURES``). ``live`` [B, A, T - 1]: the path segments that count (None: all).
 
-    An actor meets a sample when its closest approach to it within ``PATH_HORIZON_S`` (time ``t* = (r - p).v / |v|^2``
-    clamped to the horizon; 0 for an actor standing still) is within ``PATH_MEET_M``; of those samples the earliest
-    (then the nearest on the route) counts. One broadcast over actors x samples: no loop."""
-    # per component, [B, A, N] each (no [.., 2] intermediates): actor -> sample, and its projection on the velocity
-    rx = route[..., 0].unsqueeze(1) - xy[..., :1]
-    ry = route[..., 1].unsqueeze(1) - xy[..., 1:]
-    vx, vy = vel[..., :1], vel[..., 1:]
-    vv = vx * vx + vy * vy  # [B, A, 1]
-    dot = rx * vx + ry * vy
-    t = (dot / vv.clamp(min=1e-6)).clamp_(0.0, PATH_HORIZON_S).mul_(vv > 1e-6)
-    miss = rx.square_().add_(ry.square_()).sub_(2 * t * dot).add_(t * t * vv)  # |r - p - v t|^2
-    meets = ok.unsqueeze(1) & (miss <= PATH_MEET_M * PATH_MEET_M)
+    An actor meets a sample when its closest approach to it on a segment (the fraction ``u = (r - p).d / |d|^2`` of
+    the segment's displacement ``d``, clamped to [0, 1]; 0 for a segment standing still) is within ``PATH_MEET_M``; of
+    those samples the earliest (then the nearest on the route) counts. One broadcast over actors x segments x samples:
+    no loop."""
+    B, N = arc.shape
+    p, d = pts[:, :, :-1], pts[:, :, 1:] - pts[:, :, :-1]  # [B, A, K, 2]
+    # per component, [B, A, K, N] each (no [.., 2] intermediates): segment start -> sample, its projection on d
+    rx = route[..., 0].view(B, 1, 1, N) - p[..., :1]
+    ry = route[..., 1].view(B, 1, 1, N) - p[..., 1:]
+    dx, dy = d[..., :1], d[..., 1:]
+    dd = dx * dx + dy * dy  # [B, A, K, 1]
+    dot = rx * dx + ry * dy
+    u = (dot / dd.clamp(min=1e-9)).clamp_(0.0, 1.0).mul_(dd > 1e-9)
+    miss = rx.square_().add_(ry.square_()).sub_(2 * u * dot).add_(u * u * dd)  # |r - p - u d|^2
+    t = u.mul_((taus[1:] - taus[:-1]).view(-1, 1)).add_(taus[:-1].view(-1, 1))  # seconds from now
+    meets = ok.view(B, 1, 1, N) & (miss <= PATH_MEET_M * PATH_MEET_M)
+    if live is not None:
+        meets &= live.unsqueeze(-1)
     # earliest, then nearest along the route (metres are < 1e4, so one key orders both)
-    key = torch.where(meets, t * 1e4 + arc.clamp(min=0).unsqueeze(1), math.inf)
+    key = torch.where(meets, t * 1e4 + arc.clamp(min=0).view(B, 1, 1, N), math.inf).flatten(2)
     first, j = key.min(-1, keepdim=True)  # [B, A, 1]; not argmin: 2-3x slower on CPU for the same indices
     hit = torch.isfinite(first.squeeze(-1))  # some sample met
-    when = torch.where(hit, torch.gather(t, -1, j).squeeze(-1), PATH_HORIZON_S)
-    where = torch.where(hit, torch.gather(arc.unsqueeze(1).expand_as(t), -1, j).squeeze(-1), 0.0)
+    when = torch.where(hit, torch.gather(t.flatten(2), -1, j).squeeze(-1), PATH_HORIZON_S)
+    where = torch.where(hit, torch.gather(arc, 1, (j.squeeze(-1) % N)), 0.0)
     return torch.stack((where, when, hit.float()), -1)
+
+
+def straight_paths(xy: Tensor, vel: Tensor) -> tuple[Tensor, Tensor]:
+    """Constant-velocity paths for :func:`path_meeting`: positions [B, A, 2] now and after ``PATH_HORIZON_S`` at
+    velocities [B, A, 2] -> ([B, A, 2, 2], the times [2])."""
+    return torch.stack((xy, xy + vel * PATH_HORIZON_S), 2), torch.tensor([0.0, PATH_HORIZON_S], device=xy.device)
 
 
 class VectorObserver(Observer):
@@ -242,6 +258,7 @@ class VectorObserver(Observer):
                                                                           (OBS_PEDESTRIANS, "pedestrians"),
                                                                           (OBS_STATICS, "statics"))}}
         self.offsets = torch.arange(1, vc.route_points + 1, device=setup.device) * vc.route_spacing
+        self.scripted_taus = torch.arange(0.0, PATH_HORIZON_S + 1e-6, SCRIPTED_STEP_S, device=setup.device)
         # the observation in two stages around the light lookup (the light part's and the scenarios', which hold
         # state between calls): each compiled as one graph with vector.compile
         self._stop_lines, self._features = self.stop_lines, self.features
@@ -257,21 +274,26 @@ class VectorObserver(Observer):
         spec.update({k: TensorSpec((n, len(names[k])), torch.float32, names=names[k]) for k, n in self.counts.items()})
         return spec
 
-    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None) -> dict[str, Tensor]:  # noqa: ANN001
+    def observe(self, s, lights: LightFn, speed_limit: Tensor | None = None,  # noqa: ANN001
+                forecast: ForecastFn | None = None) -> dict[str, Tensor]:
         stop, dist, sign = self._stop_lines(s)
         state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), self.setup.world.stop_group[stop]))
-        return self._features(s, speed_limit, stop, dist, sign, state, yellow_left)
+        scripted = None
+        if forecast is not None and self.setup.cfg.vector.scripted_paths:  # eager: it keeps only the live pairs
+            scripted = self.scripted_meeting(s, *forecast(self.scripted_taus)[::2])
+        return self._features(s, speed_limit, stop, dist, sign, state, yellow_left, scripted)
 
     def features(self, s, speed_limit: Tensor | None, stop: Tensor, dist: Tensor, sign: Tensor,  # noqa: ANN001
-                 state: Tensor, yellow_left: Tensor) -> dict[str, Tensor]:
-        """Every key of the observation, given the next stop lines and their lights (:meth:`stop_lines`)."""
+                 state: Tensor, yellow_left: Tensor, scripted: Tensor | None = None) -> dict[str, Tensor]:
+        """Every key of the observation, given the next stop lines and their lights (:meth:`stop_lines`) and where
+        the scenario vehicles' scripted paths meet the route (:meth:`scripted_meeting`) if used."""
         w, cfg = self.setup.world, self.setup.cfg
         if speed_limit is None:
             speed_limit = lane_measures(w, s.ego_xy, s.ego_yaw)["speed_limit"]
         route, frame = self.route(s)
         return {OBS_MEASUREMENTS: measurements(s, speed_limit),
                 OBS_VALUE_MEASUREMENTS: value_measurements(w, s, cfg, cfg.reward),
-                OBS_ROUTE: route, OBS_LANES: self.lanes(s), **self.actors(s, frame),
+                OBS_ROUTE: route, OBS_LANES: self.lanes(s), **self.actors(s, frame, scripted),
                 OBS_STOPS: self.stop_features(s, stop, dist, sign, state, yellow_left)}
 
     def route(self, s) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:  # noqa: ANN001
@@ -305,31 +327,58 @@ class VectorObserver(Observer):
         f = m.lane_feat.index_select(0, idx.view(-1)).view(B, K, -1)  # the padding point is all zero
         return _within(ego_frame(f, s.ego_xy, s.ego_yaw, 2), self.setup.cfg.vector.lane_radius)
 
-    def actors(self, s, frame: tuple[Tensor, Tensor, Tensor]) -> dict[str, Tensor]:  # noqa: ANN001
+    def actors(self, s, frame: tuple[Tensor, Tensor, Tensor],  # noqa: ANN001
+               scripted: Tensor | None = None) -> dict[str, Tensor]:
         """The nearest vehicles, pedestrians and static objects within ``actor_radius`` (all of them, in slot order,
-        where the set holds every slot), each also placed in the route ``frame`` (:func:`route_coordinates`)."""
+        where the set holds every slot), each also placed in the route ``frame`` (:func:`route_coordinates`), the
+        moving ones with where their paths meet the route (:func:`path_meeting`; the scenario vehicles' along their
+        ``scripted`` paths where given: :meth:`scripted_meeting`)."""
         v, p, o = s.veh, s.ped, s.statics
         col = lambda x: x.unsqueeze(-1).float()  # noqa: E731
         heading = lambda a: torch.stack((torch.cos(a.yaw), torch.sin(a.yaw)), -1)  # noqa: E731
         v_dir, p_dir = heading(v), heading(p)
         p_speed = torch.where(p.moving, p.speed, torch.zeros_like(p.speed)).unsqueeze(-1)
+        # the scripted meetings ride along the vehicles' frame-free columns through the selection of the nearest
+        extra = () if scripted is None else (scripted,)
         sets = ((OBS_VEHICLES, (v.xy, v_dir, v_dir * v.speed.unsqueeze(-1), v.half, col((v.lights & LIGHT_BRAKE) != 0),
-                                col((v.lights & LIGHT_EMERGENCY) != 0), col(v.valid)), 3),
+                                col((v.lights & LIGHT_EMERGENCY) != 0), *extra, col(v.valid)), 3),
                 (OBS_PEDESTRIANS, (p.xy, p_dir, p_dir * p_speed, col(p.valid)), 3),
                 (OBS_STATICS, (o.xy, heading(o), o.half, col(o.valid)), 2))
         posed = [ego_frame(self._nearest(torch.cat(cols, -1), s.ego_xy, self.counts[key]), s.ego_xy, s.ego_yaw, pairs)
                  for key, cols, pairs in sets]
+        if scripted is not None:  # split off again: [B, A, 4] of the vehicles kept
+            extra, posed[0] = posed[0][..., -5:-1], torch.cat((posed[0][..., :-5], posed[0][..., -1:]), -1)
         along = list(route_coordinates(torch.cat([f[..., :2] for f in posed], 1), *frame).split(  # one pass for all
             [f.shape[1] for f in posed], 1))
         if self.setup.cfg.vector.path_conflicts:  # velocities are columns 4, 5 of the moving actors' sets
             moving = [i for i, (key, _, _) in enumerate(sets) if key in PATH_SETS]
-            met = path_meeting(torch.cat([posed[i][..., :2] for i in moving], 1),
-                               torch.cat([posed[i][..., 4:6] for i in moving], 1), *frame).split(
-                [posed[i].shape[1] for i in moving], 1)
+            met = list(path_meeting(*straight_paths(torch.cat([posed[i][..., :2] for i in moving], 1),
+                                                    torch.cat([posed[i][..., 4:6] for i in moving], 1)),
+                                    *frame).split([posed[i].shape[1] for i in moving], 1))
+            if scripted is not None:  # vehicles are the first moving set
+                met[0] = torch.where(extra[..., 3:] > 0, extra[..., :3], met[0])
             for i, m in zip(moving, met):
                 along[i] = torch.cat((along[i], m), -1)
         return {key: _within(torch.cat((f[..., :-1], a, f[..., -1:]), -1), self.setup.cfg.vector.actor_radius)
                 for (key, _, _), f, a in zip(sets, posed, along)}
+
+    def scripted_meeting(self, s, xy: Tensor, gone: Tensor) -> Tensor:  # noqa: ANN001
+        """Per vehicle slot [B, A, 4]: where the scenario vehicles' scripted paths (xy [B, V, T, 2] at
+        :attr:`scripted_taus`, gone [B, V, T]; the last V slots) meet the route (:func:`path_meeting`), then 1 for
+        those slots; zeros for the others and for the scenario vehicles not shown or beyond ``actor_radius``. Only
+        those pairs are measured (a few per cent of B x V: one host sync)."""
+        B, V, T, _ = xy.shape
+        A, vc = s.veh.xy.shape[1], self.setup.cfg.vector
+        near = (s.veh.xy[:, A - V:] - s.ego_xy.unsqueeze(1)).square().sum(-1) <= vc.actor_radius ** 2
+        b, v = (s.veh.valid[:, A - V:] & near & ~gone[..., 0]).nonzero(as_tuple=True)
+        out = xy.new_zeros(B, A, 4)
+        if len(b):
+            _, (route, arc, ok) = self.route(s)
+            pts = ego_frame(xy[b, v], s.ego_xy[b], s.ego_yaw[b], 1)  # [P, T, 2]
+            met = path_meeting(pts.unsqueeze(1), self.scripted_taus, route[b], arc[b], ok[b],
+                               live=~gone[b, v, :-1].unsqueeze(1)).squeeze(1)
+            out[b, A - V + v] = torch.cat((met, torch.ones_like(met[:, :1])), -1)
+        return out
 
     def _nearest(self, f: Tensor, ego_xy: Tensor, k: int) -> Tensor:
         """Of the actors (features [B, A, F]: x, y first, the validity flag last) the ``k`` nearest valid ones, nearest

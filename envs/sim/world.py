@@ -307,6 +307,12 @@ LightFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 tells the shared code the colour of its lights (the simulator's cycle model, CARLA's actors, nuPlan's log)."""
 
 
+ForecastFn = Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+"""Times [T] (s from now) -> where the route scenarios' vehicles will be on their scripted paths (xy [B, V, T, 2], yaw
+[B, V, T], gone [B, V, T]), V the scenario vehicle slots (the last of the vehicle slots) in slot order: what a backend
+that plays the scenarios itself knows of their paths."""
+
+
 def light_state(world: World, group: Tensor, t: Tensor, offset: Tensor, cfg: SimConfig) -> tuple[Tensor, Tensor]:
     """Colour of light groups at time ``t``: (state 0 green / 1 yellow / 2 red, seconds of yellow left).
 
