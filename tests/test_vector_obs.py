@@ -264,6 +264,39 @@ def test_path_conflicts_say_where_and_when_each_moving_actor_meets_the_route() -
     assert make_env().observation_spec[OBS_VEHICLES].names == VECTOR_FEATURES[OBS_VEHICLES]
 
 
+def test_scripted_paths_flag_a_car_whose_path_bends_across_the_route() -> None:
+    """Ego at route point x = 10 heading east, route samples every 4 m at (10 + 4k, 0) before the lane change. Two cars
+    at (30, 20) heading east at 10 m/s: the background one (slot 0) goes straight on, parallel to the route 20 m off,
+    and never meets it. The scenario one (the last slot) is scripted east to (40, 20) in 1 s, then south at 10 m/s: it
+    reaches (40, 0) at t = 3 s, 2 m from the samples at x = 38 and 42 (route metres 28 and 32), each nearest there; of
+    the two at once the nearer on the route counts. Marked gone from 2.5 s on (its path ends at (40, 5)) it meets
+    nothing; not shown now, it keeps the straight line's features."""
+    env = make_env(path_conflicts=True, scripted_paths=True)
+    place(env, 10.0, 0.0, 0.0, 10)
+    v = env.state.veh
+    for i in (0, 2):
+        v.xy[0, i], v.yaw[0, i], v.speed[0, i], v.valid[0, i] = torch.tensor([30.0, 20.0]), 0.0, 10.0, True
+    taus = env.observer.scripted_taus
+    assert taus[1] - taus[0] == 0.5 and taus[-1] == 10.0
+    bend = torch.stack((30.0 + 10.0 * taus.clamp(max=1.0), 20.0 - 10.0 * (taus - 1.0).clamp(min=0.0)), -1)
+    f = {n: i for i, n in enumerate(vector_features(True)[OBS_VEHICLES])}
+    got = lambda cars, row: [round(cars[row, f[n]].item(), 3) for n in PATH_FEATURES]  # noqa: E731
+
+    def observe(gone: torch.Tensor) -> torch.Tensor:
+        forecast = lambda t: (bend.view(1, 1, -1, 2), torch.zeros(1, 1, len(t)), gone.view(1, 1, -1))  # noqa: E731
+        return env.observer.observe(env.state, env.light_lookup(env.state), None, forecast)[OBS_VEHICLES][0]
+
+    none = torch.zeros(len(taus), dtype=torch.bool)
+    cars = observe(none)
+    assert got(cars, 0) == [0.0, 10.0, 0.0] and got(cars, 2) == [28.0, 3.0, 1.0]
+    assert got(observe(taus >= 2.5), 2) == [0.0, 10.0, 0.0]
+    assert got(observe(taus >= 0.0), 2) == got(cars, 0)
+    # the env's own observation has no scenarios to forecast here: the straight line
+    assert got(env.observe()[OBS_VEHICLES][0], 2) == [0.0, 10.0, 0.0]
+    with pytest.raises(ConfigError, match=r"env\.options\.vector\.scripted_paths=true needs .*path_conflicts=true"):
+        _cfg(scripted_paths=True)
+
+
 def test_episodes_of_a_vector_policy_are_recorded_with_the_bev_of_the_state() -> None:
     """carl-eval's videos: an env observing vectors (and asked for pictures, bev=True) records the BEV drawn from its
     state, the frames a BEV env of the same seed records for the same actions."""

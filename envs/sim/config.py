@@ -32,8 +32,8 @@ class VectorConfig:
     path_conflicts: bool = False
     # the route scenarios' vehicles (junction streams, the cut-in, the emergency vehicle) meet the route along their
     # scripted paths (sampled every 0.5 s at their present speed), not a straight line: a stream bending through a
-    # junction is flagged before it turns (docs/training.md, "Paths that bend"); a backend that does not play the
-    # scenarios itself (the CARLA worker, nuPlan) keeps the straight line. Needs path_conflicts
+    # junction is flagged before it turns (docs/training.md, "Paths that bend"); where carl does not play the
+    # scenarios (the Leaderboard agent, nuPlan's logs) the straight line stays. Needs path_conflicts
     scripted_paths: bool = False
     # torch.compile the observation's fixed-shape stages (route, actors, stop lines): ~2x faster on a 2-core CPU at
     # batch 1024 (docs/simulator.md, "Compiled stages"); each batch size compiles on its first step (seconds, cached
