@@ -280,7 +280,8 @@ class VectorObserver(Observer):
         state, yellow_left = lights(torch.where(sign, torch.full_like(stop, -1), self.setup.world.stop_group[stop]))
         scripted = None
         if forecast is not None and self.setup.cfg.vector.scripted_paths:  # eager: it keeps only the live pairs
-            scripted = self.scripted_meeting(s, *forecast(self.scripted_taus)[::2])
+            xy, _, gone = forecast(self.scripted_taus)
+            scripted = self.scripted_meeting(s, xy, gone)
         return self._features(s, speed_limit, stop, dist, sign, state, yellow_left, scripted)
 
     def features(self, s, speed_limit: Tensor | None, stop: Tensor, dist: Tensor, sign: Tensor,  # noqa: ANN001
