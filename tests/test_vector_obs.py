@@ -270,7 +270,8 @@ def test_scripted_paths_flag_a_car_whose_path_bends_across_the_route() -> None:
     and never meets it. The scenario one (the last slot) is scripted east to (40, 20) in 1 s, then south at 10 m/s: it
     reaches (40, 0) at t = 3 s, 2 m from the samples at x = 38 and 42 (route metres 28 and 32), each nearest there; of
     the two at once the nearer on the route counts. Marked gone from 2.5 s on (its path ends at (40, 5)) it meets
-    nothing; not shown now, it keeps the straight line's features."""
+    nothing. Not shown now, it keeps the straight line's features: turned south at (30, 20), its straight line crosses
+    the route at x = 30 (route metre 20) after 20 / 10 = 2 s, which its dead scripted path would not say."""
     env = make_env(path_conflicts=True, scripted_paths=True)
     place(env, 10.0, 0.0, 0.0, 10)
     v = env.state.veh
@@ -290,7 +291,9 @@ def test_scripted_paths_flag_a_car_whose_path_bends_across_the_route() -> None:
     cars = observe(none)
     assert got(cars, 0) == [0.0, 10.0, 0.0] and got(cars, 2) == [28.0, 3.0, 1.0]
     assert got(observe(taus >= 2.5), 2) == [0.0, 10.0, 0.0]
-    assert got(observe(taus >= 0.0), 2) == got(cars, 0)
+    v.yaw[0, 2] = -math.pi / 2
+    assert got(observe(taus >= 0.0), 2) == [20.0, 2.0, 1.0]
+    v.yaw[0, 2] = 0.0
     # the env's own observation has no scenarios to forecast here: the straight line
     assert got(env.observe()[OBS_VEHICLES][0], 2) == [0.0, 10.0, 0.0]
     with pytest.raises(ConfigError, match=r"env\.options\.vector\.scripted_paths=true needs .*path_conflicts=true"):
