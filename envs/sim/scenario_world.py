@@ -48,6 +48,7 @@ FLOW_SPEED, FLOW_GAP = 20.0, (25.0, 50.0)
 LEFT_SOURCE, LEFT_SINK, RIGHT_SOURCE, RIGHT_SINK = 4.0, 2.5, 5.0, 3.0  # times flow_speed, m
 JUNCTION_END_M, GREEN_DELAY, SCENARIO_TIMEOUT = 10.0, 5.0, 240.0
 LOSS_PATCHES, LOSS_RADIUS, LOSS_END_M = (14.0, 48.0, 74.0), 2.0, 110.0
+SITE_LEAD = (15, 40)  # m: a training route's junction scenario triggers U(15, 40) m before its junction
 LEFT_EXIT_CLEAR, RIGHT_EXIT_CLEAR = 70.0, 80.0  # m of the ego's exit road cleared of background (extend_road_exit)
 RED_SPEED, RED_SOURCE, RED_SINK, RED_REACT, RED_MIN_DIST = 60 / 3.6, 30.0, 10.0, 2.2, 12.0
 EMERGENCY_HALF = (3.2, 1.2)  # m: an ambulance-sized emergency vehicle
@@ -574,31 +575,36 @@ def _tables(rows: list[dict], per_route: list[list[int]], device: torch.device) 
 def random_route_scenarios(graph: LaneGraph, route: Route, per_km: float, weights: tuple[float, ...],
                            rng: np.random.Generator) -> tuple[RouteScenario, ...]:
     """Scenarios of the six types on a training route: Poisson(``per_km`` x length) of them, each type by
-    ``weights`` (SCENARIO_TYPES order) among the types the route can play, each trigger at a random route point
-    where its type can be played (the junction types and the cyclist 15-40 m before a junction the route turns at
-    as the type needs, with a light for the junction types, and the entry lane their stream or red-light runner comes
-    from: a site where :func:`place_scenario` would skip the type is no site)."""
+    ``weights`` (SCENARIO_TYPES order) among the types the route can still play, each trigger at a random route
+    point where its type can be played (the junction types and the cyclist 15-40 m before a junction the route turns
+    at as the type needs and after the junction before it, with a light for the junction types, and the entry lane
+    their stream or red-light runner comes from: a site where :func:`place_scenario` would skip the type is no
+    site). A junction holds one scenario, as in longest6's route files (4 pairs of its 233 junction scenarios trigger
+    within 30 m of each other): a second flow there would preempt the first and restart its stream."""
     if per_km <= 0 or sum(weights) <= 0:
         return ()
     roads = _roads_cache(graph)
     geo = _RouteGeo(route, roads)
-    entries = [k for k in range(1, geo.n) if geo.junction[k] and not geo.junction[k - 1]]
-    turn = {k: _route_turn(geo, k) for k in entries}  # degrees, left positive
-    lit = [k for k in entries if roads.light(int(geo.lanes[k - 1])) >= 0]
+    lead = _site_leads(geo)  # junction entry point -> the farthest a trigger may lie before it
+    turn = {k: _route_turn(geo, k) for k in lead}  # degrees, left positive
+    lit = [k for k in lead if roads.light(int(geo.lanes[k - 1])) >= 0]
     where = {LEFT: [k for k in lit if turn[k] > 30], RIGHT: [k for k in lit if turn[k] < -30],
-             RED: [k for k in lit if abs(turn[k]) <= 30], TURN: [k for k in entries if abs(turn[k]) > 30]}
-    for kind in (LEFT, RIGHT, RED):  # and whose junction has the entry lanes they need (else skipped at compile)
+             RED: [k for k in lit if abs(turn[k]) <= 30], TURN: [k for k in lead if abs(turn[k]) > 30]}
+    for kind in where:  # and whose junction has what they need (entry lanes, room after it; else skipped at compile)
         where[kind] = [k for k in where[kind] if _places(kind, geo, roads, k)]
-    # only the types the route has a site for are drawn, so the density holds on every route
-    playable = np.asarray([w if where.get(k, True) else 0.0 for k, w in enumerate(weights)])
-    if playable.sum() <= 0:
-        return ()
-    out = []
+    out, used = [], set()
     for n in range(rng.poisson(per_km * geo.cum[-1] / 1000.0)):
+        # only the types the route has a free site for are drawn, so the density holds while sites last
+        free = {k: [t for t in sites if t not in used] for k, sites in where.items()}
+        playable = np.asarray([w if free.get(k, True) else 0.0 for k, w in enumerate(weights)])
+        if playable.sum() <= 0:
+            break
         kind = int(rng.choice(len(SCENARIO_TYPES), p=playable / playable.sum()))
-        targets = where.get(kind)
+        targets = free.get(kind)
         if targets is not None:
-            i = max(0, geo.walk(int(targets[rng.integers(len(targets))]), 0.0) - int(rng.uniform(15, 40)))
+            site = int(targets[rng.integers(len(targets))])
+            used.add(site)
+            i = site - int(rng.uniform(SITE_LEAD[0], lead[site] + 1))
         else:
             i = int(rng.integers(0, max(1, geo.n - 20)))
         sd = ScenarioDef(f"{SCENARIO_TYPES[kind]}_{n}", SCENARIO_TYPES[kind], tuple(geo.pts[i]), geo.yaw(i))
@@ -618,10 +624,22 @@ def start_before_scenario(route: Route, rng: np.random.Generator, lead_m: tuple[
     return Route(route.name, route.points[i0:], route.lanes[i0:], kept)
 
 
+def _site_leads(geo: _RouteGeo) -> dict[int, int]:
+    """The route's junction entry points that can take a junction scenario, each with the farthest its trigger may
+    lie before it (points, ~1 m): at most ``SITE_LEAD[1]``, and after the previous junction with the trigger's 2 m
+    circle clear of it, since a trigger before an earlier junction plays its scenario there (or skips it); at least
+    ``SITE_LEAD[0]``, else the entry is no site."""
+    j = geo.junction
+    entries = np.nonzero(j[1:] & ~j[:-1])[0] + 1
+    last = np.maximum.accumulate(np.where(j, np.arange(geo.n), -1))  # the last junction point up to each point
+    hi = np.minimum(SITE_LEAD[1], entries - last[entries - 1] - 3)
+    return {int(k): int(h) for k, h in zip(entries, hi) if h >= SITE_LEAD[0]}
+
+
 def _places(kind: int, geo: _RouteGeo, roads: Roads, k: int) -> bool:
-    """Whether a junction scenario of ``kind`` triggered 25 m before the junction the route enters at point ``k``
-    can be placed (:func:`place_scenario` does not skip it)."""
-    i = max(0, geo.walk(k, 0.0) - 25)
+    """Whether a junction scenario of ``kind`` triggered ``SITE_LEAD[0]`` m before the junction the route enters at
+    point ``k`` can be placed (:func:`place_scenario` does not skip it; nor at any lead up to the site's)."""
+    i = k - SITE_LEAD[0]
     sd = ScenarioDef("site", SCENARIO_TYPES[kind], tuple(geo.pts[i]), geo.yaw(i))
     try:
         place_scenario(scenarios_on_route([sd], geo.pts)[0], geo, roads, np.random.default_rng(0))
