@@ -14,6 +14,7 @@ docs/training.md reads its figures (a disagreement there is not by itself a coll
 """
 from __future__ import annotations
 
+import collections
 import json
 import sys
 
@@ -39,15 +40,15 @@ def main() -> None:
         runs = [(f"training:{args.preset}", env, resolve_policy(args.policy, torch.device("cpu")).make(env, "sim"))]
     else:
         runs = longest6_probe.policy_groups(args)
-    total = Counts()
+    total: collections.Counter = collections.Counter()
     for name, env, policy in runs:
         if not hasattr(policy, "distribution"):
             sys.exit(f"--policy {args.policy}: a learned policy (checkpoint, bundle or zoo:<name>) is needed: the "
                      "probe reads its Beta distribution")
         counts = drive(env, policy, kind, args)
-        total.add(counts)
-        print(json.dumps({"routes": name, **counts.summary()}), flush=True)
-    print(json.dumps({"policy": args.policy, "type": args.type, "all": True, **total.summary()}))
+        total.update(counts)
+        print(json.dumps({"routes": name, **summary(counts)}), flush=True)
+    print(json.dumps({"policy": args.policy, "type": args.type, "all": True, **summary(total)}))
 
 
 def _options(p) -> None:  # noqa: ANN001 - argparse.ArgumentParser
@@ -58,61 +59,40 @@ def _options(p) -> None:  # noqa: ANN001 - argparse.ArgumentParser
     p.add_argument("--steps", type=int, default=0, help="at most this many steps per env (0: the episode limit)")
 
 
-class Counts:
-    """Sums over the live steps of the probed type."""
-
-    FIELDS = ("states", "expert_brakes", "expert_drives", "policy_drives_expert_brakes",
-              "policy_brakes_expert_drives", "abs_diff_sum", "std_sum", "std_disagree_sum", "u_shaped")
-
-    def __init__(self) -> None:
-        self.v = dict.fromkeys(self.FIELDS, 0.0)
-
-    def add(self, other: "Counts") -> None:
-        for k in self.FIELDS:
-            self.v[k] += other.v[k]
-
-    def summary(self) -> dict:
-        v, n = self.v, max(self.v["states"], 1)
-        disagree = v["policy_drives_expert_brakes"] + v["policy_brakes_expert_drives"]
-        return {"states": int(v["states"]), "expert_brakes": int(v["expert_brakes"]),
-                "expert_drives": int(v["expert_drives"]),
-                "policy_drives_where_expert_brakes": int(v["policy_drives_expert_brakes"]),
-                "policy_brakes_where_expert_drives": int(v["policy_brakes_expert_drives"]),
-                "mean_abs_diff": round(v["abs_diff_sum"] / n, 3), "policy_std": round(v["std_sum"] / n, 3),
-                "policy_std_where_they_disagree": round(v["std_disagree_sum"] / max(disagree, 1), 3),
-                "u_shaped_share": round(v["u_shaped"] / n, 3)}
+def summary(v: collections.Counter) -> dict:
+    """The counts of :func:`drive` (summed over any number of envs) as the JSON line's fields."""
+    n = max(v["states"], 1)
+    return {"states": int(v["states"]), "expert_brakes": int(v["expert_brakes"]),
+            "expert_drives": int(v["expert_drives"]),
+            "policy_drives_where_expert_brakes": int(v["drives_wrong"]),
+            "policy_brakes_where_expert_drives": int(v["brakes_wrong"]),
+            "mean_abs_diff": round(v["abs_diff"] / n, 3), "policy_std": round(v["std"] / n, 3),
+            "policy_std_where_they_disagree": round(v["std_wrong"] / max(v["drives_wrong"] + v["brakes_wrong"], 1), 3),
+            "u_shaped_share": round(v["u_shaped"] / n, 3)}
 
 
-def drive(env, policy, kind: int, args) -> Counts:  # noqa: ANN001 - SimEnv, LoadedPolicy, argparse.Namespace
-    """Drive the env's rows with the policy's mean action; count the live steps of scenario type ``kind``."""
-    sim = env
-    while not hasattr(sim, "scenarios"):  # a wrapper around the simulator: its state and scenario tables
-        sim = getattr(sim, "env", None) or getattr(sim, "inner")
+def drive(env, policy, kind: int, args) -> collections.Counter:  # noqa: ANN001 - SimEnv, LoadedPolicy, Namespace
+    """Drive the env's rows with the policy's mean action; sums over the live steps of scenario type ``kind``."""
     expert = envs.make_expert("sim", env)
     obs = env.reset(seed=args.seed)
-    out = Counts()
-    steps = args.steps or env.max_episode_steps
-    for _ in range(steps):
-        c = sim.state.scn
-        live = ((c.status == LIVE) & (sim.scenarios.tab.type[c.scn] == kind)).any(1)
+    out: collections.Counter = collections.Counter()
+    for _ in range(args.steps or env.max_episode_steps):
+        c = env.state.scn
+        rows = ((c.status == LIVE) & (env.scenarios.tab.type[c.scn] == kind)).any(1).nonzero().flatten()
         with torch.no_grad():
             action, alpha, beta = policy.distribution(obs)
-        rows = live.nonzero().flatten()
         if len(rows):
             teacher = expert(obs)[rows, 1]
             mine, a, b = action[rows, 1], alpha[rows, 1], beta[rows, 1]
-            var = a * b / ((a + b) ** 2 * (a + b + 1))
+            std = 2.0 * (a * b / ((a + b) ** 2 * (a + b + 1))).sqrt()  # the action is 2x - 1 of the Beta variable
             brakes, drives = teacher < -args.margin, teacher > args.margin
-            wrong = (drives & (mine < -args.margin)) | (brakes & (mine > args.margin))
-            std = 2.0 * var.sqrt()  # the action is 2x - 1 of the Beta variable
-            for k, x in (("states", len(rows)), ("expert_brakes", brakes.sum()), ("expert_drives", drives.sum()),
-                         ("policy_drives_expert_brakes", (brakes & (mine > args.margin)).sum()),
-                         ("policy_brakes_expert_drives", (drives & (mine < -args.margin)).sum()),
-                         ("abs_diff_sum", (mine - teacher).abs().sum()), ("std_sum", std.sum()),
-                         ("std_disagree_sum", (std * wrong).sum()), ("u_shaped", ((a < 1) & (b < 1)).sum())):
-                out.v[k] += float(x)
-        res = env.step(action)
-        obs = res.obs
+            drives_wrong, brakes_wrong = brakes & (mine > args.margin), drives & (mine < -args.margin)
+            out.update({"states": len(rows), "expert_brakes": int(brakes.sum()), "expert_drives": int(drives.sum()),
+                        "drives_wrong": int(drives_wrong.sum()), "brakes_wrong": int(brakes_wrong.sum()),
+                        "abs_diff": float((mine - teacher).abs().sum()), "std": float(std.sum()),
+                        "std_wrong": float((std * (drives_wrong | brakes_wrong)).sum()),
+                        "u_shaped": int(((a < 1) & (b < 1)).sum())})
+        obs = env.step(action).obs
     return out
 
 
