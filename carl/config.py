@@ -125,8 +125,9 @@ class ParallelConfig:
 
     name: str = option("single", "process layout (parallel=single | parallel=ddp)", choices=("single", "ddp"))
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
-    bf16: bool | str = option(False, "bfloat16 autocast for the network; auto: on where the device has native bf16 "
-                                     "(CUDA, or a CPU with AVX-512 BF16 / AMX; 1.6x faster PPO updates there, "
+    bf16: bool | str = option(False, "bfloat16 autocast for the network; auto: on where it was measured to pay "
+                                     "(CUDA, a CPU with AMX, an AMD CPU with AVX-512 BF16: 1.3-1.6x faster PPO "
+                                     "updates; an Intel CPU with AVX-512 BF16 but no AMX ran 20-25 % slower with it, "
                                      "docs/training.md)", choices=(True, False, "auto"))
     compile: bool | str = option(False, "torch.compile the network (inductor; on CPU it needs a C++ compiler); "
                                         "30-60 s of compiling at the start; auto: on CUDA and on CPUs with AMX, "
@@ -656,10 +657,29 @@ def cpu_has_amx() -> bool:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); elsewhere bf16 autocast is slower."""
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); elsewhere bf16 autocast is emulated."""
     import torch
 
     return bool(torch.cpu._is_avx512_bf16_supported() or cpu_has_amx())
+
+
+def cpu_bf16_pays() -> bool:
+    """Whether bf16 autocast was measured faster than float32 on this kind of CPU (``parallel.bf16=auto``): with AMX
+    tiles, and on AMD's AVX-512 BF16 (Zen 4, Zen 5). On an Intel Xeon with AVX-512 BF16 and no AMX (a VM that hides
+    the tiles) both presets ran 20-25 % slower with it (docs/training.md, "bf16 without AMX")."""
+    return cpu_has_amx() or (cpu_has_bf16() and cpu_info().get("vendor_id") == "AuthenticAMD")
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's ``/proc/cpuinfo`` entries (empty where there is none: not Linux)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
 
 
 def cpu_line() -> str:
@@ -673,13 +693,7 @@ def cpu_line() -> str:
 
     import torch
 
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:  # not Linux
-        pass
+    info = cpu_info()
     name = info.get("model name") or platform.processor() or platform.machine()
     family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info and "model" in info else ""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -688,11 +702,12 @@ def cpu_line() -> str:
 
 
 def use_bf16(cfg: TrainConfig, on_cuda: bool) -> bool:
-    """``parallel.bf16`` resolved for the device: true/false as given, ``auto`` = where the hardware has it."""
+    """``parallel.bf16`` resolved for the device: true/false as given, ``auto`` = where it pays (CUDA's bf16,
+    :func:`cpu_bf16_pays`)."""
     if cfg.parallel.bf16 == "auto":
         import torch
 
-        return torch.cuda.is_bf16_supported() if on_cuda else cpu_has_bf16()
+        return torch.cuda.is_bf16_supported() if on_cuda else cpu_bf16_pays()
     return bool(cfg.parallel.bf16)
 
 

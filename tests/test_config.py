@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from carl.config import ConfigError, TrainConfig, backend_of, compose, from_dict, schema
+from carl.config import ConfigError, TrainConfig, backend_of, compose, from_dict, schema, use_bf16
 from carl import cli
 
 
@@ -65,6 +66,23 @@ def test_from_dict_nested_unknown_key() -> None:
     data["logging"]["eval_evry"] = 3
     with pytest.raises(ConfigError, match=r"unknown key logging\.eval_evry=3; did you mean logging\.eval_every"):
         from_dict(data)
+
+
+@pytest.mark.parametrize("amx, bf16, vendor, on", [
+    (True, True, "GenuineIntel", True),  # AMX tiles: measured faster (docs/training.md)
+    (False, True, "AuthenticAMD", True),  # Zen 4 / Zen 5's AVX-512 BF16: measured faster
+    (False, True, "GenuineIntel", False),  # an Intel AVX-512 BF16 without AMX: measured 20-25 % slower
+    (False, False, "AuthenticAMD", False),  # no native bf16 (Zen 3): emulated, slower
+])
+def test_bf16_auto_is_on_only_where_it_was_measured_to_pay(monkeypatch: pytest.MonkeyPatch, amx: bool, bf16: bool,
+                                                           vendor: str, on: bool) -> None:
+    import carl.config as config
+
+    monkeypatch.setattr(config, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(config, "cpu_info", lambda: {"vendor_id": vendor})
+    assert use_bf16(load_config(["parallel.device=cpu", "parallel.bf16=auto"]), on_cuda=False) is on
+    assert use_bf16(load_config(["parallel.device=cpu", "parallel.bf16=true"]), on_cuda=False) is True  # as asked
 
 
 def test_bf16_refused_on_cpu_without_it() -> None:
