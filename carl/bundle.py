@@ -50,6 +50,7 @@ from carl.spec import (BUNDLE_FORMAT, BUNDLE_VERSION, FILES, ONNX_INPUTS, ONNX_O
 from envs.api import ACTIONS, LAYOUT_CARLA, OBS_BEV, OBS_MEASUREMENTS, TensorSpec
 
 PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}  # a loaded policy's arithmetic (load_policy)
 
 
 class BundleError(RuntimeError):
@@ -327,24 +328,31 @@ class LoadedPolicy:
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", deterministic: bool = True,
-                backend: str = "torch") -> tuple[LoadedPolicy, dict[str, Any]]:
+                backend: str = "torch", precision: str = "float32") -> tuple[LoadedPolicy, dict[str, Any]]:
     """Load a bundle directory (``zoo:<name>``: a shipped one, :mod:`carl.zoo`) or a ``.pt`` checkpoint; return
     ``(policy, spec)``.
 
     ``policy(obs)`` maps an observation dict (``bev`` [B, C, H, W], ``measurements`` [B, M]; the layout
     :func:`observation_layout` names) to actions [B, 2] in [-1, 1] (:func:`action_names` order). ``backend``:
     ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint), ``torchscript`` or ``onnx``
-    (bundle only: run ``policy.ts`` / ``policy.onnx``).
+    (bundle only: run ``policy.ts`` / ``policy.onnx``). ``precision`` (``PRECISIONS``; the torch backend only): the
+    arithmetic of the network; float64 gives the same actions on every CPU (float32 sums differ in their last bits
+    between CPUs' kernels, and a closed loop of thousands of steps amplifies that: docs/evaluation.md).
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: use {' or '.join(PRECISIONS)}")
+    if precision != "float32" and backend != "torch":
+        raise ValueError(f"precision={precision} needs backend=torch: the {backend} graph was exported in float32")
     try:
         path = Path(zoo.resolve(str(path)))
     except zoo.ZooError as exc:
         raise BundleError(str(exc)) from None
-    device = torch.device(device)
+    device, dtype = torch.device(device), PRECISIONS[precision]
     if path.is_dir():
         spec = read_spec(path)
         if backend == "torch":
-            return LoadedPolicy(spec, device, deterministic, actor=actor_for(_policy_from_bundle(path, device))), spec
+            policy = _policy_from_bundle(path, device).to(dtype)
+            return LoadedPolicy(spec, device, deterministic, actor=actor_for(policy)), spec
         if backend == "torchscript":
             script = bundle_file(path, spec, "torchscript")
             try:
@@ -374,6 +382,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     if backend != "torch":
         raise ValueError(f"backend={backend!r} needs a bundle directory; {path} is a checkpoint (run carl-export)")
     policy, ckpt = policy_from_checkpoint(path, device)
+    policy.to(dtype)
     source = {"checkpoint": str(path.resolve()), "update": ckpt.get("update"), "global_step": ckpt.get("global_step")}
     spec = make_spec(policy, ckpt.get("config") or {}, source, control_dt=control_dt_of(ckpt))
     return LoadedPolicy(spec, device, deterministic, actor=actor_for(policy)), spec
@@ -413,5 +422,5 @@ def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch:
     return diffs
 
 
-__all__ = ["Actor", "BundleError", "SetActor", "actor_for", "actor_inputs", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
+__all__ = ["Actor", "BundleError", "PRECISIONS", "SetActor", "actor_for", "actor_inputs", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
            "observation_layout", "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]

@@ -135,8 +135,8 @@ class SetPolicy(ActorCritic):
         return f"SetPolicy {self.num_params() / 1e6:.2f}M params; sets: {sizes}"
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-        ego = obs[OBS_MEASUREMENTS].float() * self.meas_scale
-        pooled = [enc(obs[k].float(), ego if k in CONDITIONED_SETS else None) for k, enc in self.sets.items()]
-        route = self.route_mlp((obs[OBS_ROUTE].float() * self.route_scale).flatten(1))
+        ego = obs[OBS_MEASUREMENTS].to(self.dtype) * self.meas_scale
+        pooled = [enc(obs[k].to(self.dtype), ego if k in CONDITIONED_SETS else None) for k, enc in self.sets.items()]
+        route = self.route_mlp((obs[OBS_ROUTE].to(self.dtype) * self.route_scale).flatten(1))
         meas = self.measurement_mlp(ego)
         return self.fusion(torch.cat([*pooled, route, meas], dim=-1))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from carl.eval import EvalError
+from carl.eval.store import ResultStore
 from carl.cli import load_config
 from carl.eval.cli import main, run
 
@@ -72,6 +73,21 @@ def test_results_of_another_policy_are_not_overwritten(tmp_path: Path) -> None:
         evaluate(out, "policy=random")
     summary, _ = evaluate(out, "policy=random", "overwrite=true")
     assert summary["routes"] == 2 and summary["policy"] == "random"
+
+
+def test_a_float32_folder_is_not_resumed_in_float64_and_the_error_says_how(tmp_path: Path) -> None:
+    """Results written before ``precision`` existed are float32; carl-eval now evaluates in float64 and refuses to mix
+    them, naming the key that resumes the folder."""
+    found = {"policy": {"kind": "checkpoint", "sha256": "ab"}, "benchmark": "towns", "seed": 0}
+    (tmp_path / "results.json").write_text(json.dumps({"carl": found, "_checkpoint": {"records": []}}))
+    mine = {**found, "policy": {**found["policy"], "precision": "float64"}}
+    with pytest.raises(EvalError, match="differ only in precision .*pass precision=float32 to resume it"):
+        ResultStore(tmp_path, mine, 2, overwrite=False)
+    other = {**mine, "seed": 1}  # another evaluation as well: no hint that would not help
+    with pytest.raises(EvalError) as exc:
+        ResultStore(tmp_path, other, 2, overwrite=False)
+    assert "precision=" not in str(exc.value)
+    ResultStore(tmp_path, found, 2, overwrite=False)  # the same identity resumes
 
 
 def test_benchmarks_without_routes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

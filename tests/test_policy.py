@@ -31,6 +31,21 @@ def obs(c: int, s: int, b: int = 3, m: int = 8, v: int = 10) -> dict[str, torch.
     }
 
 
+def test_a_float64_network_casts_its_inputs_to_float64_and_answers_in_float32() -> None:
+    """``carl-eval precision=float64`` runs the network in float64: the uint8 BEV and float32 measurements are cast to
+    the parameters' dtype (a float32 cast would fail against float64 weights), and alpha, beta and the value come back
+    in float32, as the env and the losses read them; the same function as in float32, to float32's precision."""
+    torch.manual_seed(0)
+    policy = CarlPolicy(spec(4, 64)).eval()
+    o = obs(4, 64)
+    with torch.no_grad():
+        want = policy(o)
+        got = policy.double()(o)
+    assert policy.dtype == torch.float64 and all(x.dtype == torch.float32 for x in got)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_carl_param_count_at_256() -> None:
     policy = CarlPolicy(spec(10, 256))
     n = policy.num_params()

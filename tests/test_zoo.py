@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from carl import zoo
-from carl.bundle import BundleError, build_policy, check_bundle, load_initial_weights, load_policy, read_spec
+from carl.bundle import (BundleError, build_policy, check_bundle, load_initial_weights, load_policy,
+                         random_observations, read_spec)
 from carl.cli import load_config
 from carl.eval import EvalError
+from carl.eval.cli import EvalCommand
 from carl.eval.cli import run as carl_eval
 from carl.eval.policies import resolve_policy
 
@@ -54,6 +56,29 @@ def test_the_shipped_towns_policy_drives_two_longest6_routes(tmp_path: Path) -> 
     random = json.loads((tmp_path / "zoo" / "baselines" / "random" / "summary.json").read_text())
     assert trained["episodes"] == 2 and random["episodes"] == 2
     assert trained["means"]["route_completion"] > 2 * random["means"]["route_completion"] + 5.0, (trained, random)
+
+
+def test_a_policy_evaluated_in_float64_acts_as_in_float32_to_float32_s_precision() -> None:
+    """``precision=float64`` (the torch backend; carl-eval's default): float64 weights, float32 actions within
+    float32's rounding of the float32 policy's, and an identity that keeps its results apart from float32 ones."""
+    obs = random_observations(read_spec(zoo.ZOO_DIR / "towns_vector"), 64)
+    single, _ = load_policy("zoo:towns")
+    double, _ = load_policy("zoo:towns", precision="float64")
+    assert double.actor is not None and {p.dtype for p in double.actor.parameters()} == {torch.float64}
+    got, want = double(obs), single(obs)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert resolve_policy("zoo:towns", torch.device("cpu")).identity["precision"] == "float64"  # carl-eval's default
+    assert "precision" not in resolve_policy("zoo:towns", torch.device("cpu"), "float32").identity  # as folders of before
+
+
+def test_an_unknown_precision_or_one_an_exported_graph_cannot_run_is_named() -> None:
+    with pytest.raises(ValueError, match="precision='float16': use float32 or float64"):
+        load_policy("zoo:towns", precision="float16")
+    with pytest.raises(ValueError, match="precision=float64 needs backend=torch"):
+        load_policy("zoo:towns", precision="float64", backend="torchscript")
+    cfg = load_config("eval", ["policy=zoo:towns", "precision=float16"])
+    assert EvalCommand().check(cfg) == ["precision=float16: use float32 or float64"]
 
 
 def test_a_shipped_policy_starts_a_fine_tuning_run() -> None:

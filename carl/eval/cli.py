@@ -11,10 +11,11 @@ Usage::
     carl-eval -m policy=expert,random benchmark=towns seed=0,1    # a sweep: one folder per job, a summary
 
 ``policy`` is ``expert`` (the backend's rule-based expert, privileged state), ``expert_seen`` (the simulator's
-expert without the junction flows' next cars before they spawn), ``random`` (uniform actions), a
-training checkpoint (``.pt``) or a bundle directory (``carl-export``); learned policies act deterministically (the
-Beta mean). Benchmarks (``conf/benchmark/*.yaml``) list route groups; each group is one batched env whose rows
-drive all its routes in parallel (longest6: one group per town).
+expert without the junction flows' next cars before they spawn), ``random`` (uniform actions), a training checkpoint
+(``.pt``) or a bundle directory (``carl-export``); learned policies act deterministically (the Beta mean), computed
+in float64 (``precision=float32``: as they trained; docs/evaluation.md says why). Benchmarks
+(``conf/benchmark/*.yaml``) list route groups; each group is one batched env whose rows drive all its routes in
+parallel (longest6: one group per town).
 
 Output folder (``out_dir``, else ``hydra.run.dir`` if given, else ``runs/eval/<benchmark>-<policy>``; in a sweep,
 ``-m``, ``hydra.sweep.dir/<job number>`` with ``sweep_summary.md``/``.json`` beside)::
@@ -39,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from carl import zoo
-from carl.bundle import BundleError
+from carl.bundle import PRECISIONS, BundleError
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError
@@ -64,6 +65,8 @@ class EvalConfig:
     overwrite: bool = False  # replace results of another policy/benchmark in out_dir (never done silently)
     baselines: bool = False  # also evaluate the random policy and the expert (out_dir/baselines/<name>)
     device: str = "cpu"  # cpu | cuda | cuda:N (env and policy)
+    precision: str = "float64"  # float64 | float32: a learned policy's arithmetic. float64's actions do not follow the
+    # BLAS kernels' float32 sums (docs/evaluation.md); float32 as the policy trained, and as results before 2026-12-07
     seed: int = 0  # traffic seed of every route group
     torch_threads: int = 0  # 0 = PyTorch's default
     worst_videos: int = 3  # BEV GIFs of the N lowest-scoring routes (0 = none)
@@ -92,10 +95,11 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
         torch.set_num_threads(int(cfg["torch_threads"]))
     device = torch.device(cfg.get("device") or "cpu")
     bench = resolve_benchmark(cfg["benchmark"])
-    policy = resolve_policy(str(cfg["policy"]), device)
+    precision = str(cfg.get("precision") or "float64")
+    policy = resolve_policy(str(cfg["policy"]), device, precision)
     out_dir = Path(cfg["out_dir"]) if cfg.get("out_dir") else default_out_dir(bench.name, policy)
     seed, overwrite = int(cfg.get("seed", 0)), bool(cfg.get("overwrite", False))
-    log(f"carl-eval: policy {policy.name} | benchmark {bench.name} ({bench.num_routes} routes in {len(bench.groups)} "
+    log(f"carl-eval: policy {policy.name}{'' if policy.kind != 'learned' else ' (' + precision + ')'} | benchmark {bench.name} ({bench.num_routes} routes in {len(bench.groups)} "
         f"groups, env {bench.env}) | out {out_dir}")
     if bench.note:
         log(bench.note)
@@ -115,7 +119,7 @@ def _evaluate(cfg: dict[str, Any], bench: Benchmark, policy: PolicySource, out_d
         for name in BASELINES:
             if name == policy.kind:
                 continue
-            base, _ = evaluate_policy(resolve_policy(name, device), bench, out_dir / "baselines" / name, device, seed,
+            base, _ = evaluate_policy(resolve_policy(name, device, precision), bench, out_dir / "baselines" / name, device, seed,
                                       overwrite, log)
             summaries[name] = base
     title = f"{bench.name} ({bench.env}): {summary['routes']}/{bench.num_routes} routes"
@@ -171,11 +175,13 @@ class EvalCommand(Command):
         return str(default_out_dir(str(cfg["benchmark"].get("name", "benchmark")), policy_name(str(cfg["policy"]))))
 
     def check(self, cfg: dict[str, Any]) -> list[str]:
-        policy = str(cfg["policy"])
+        policy, problems = str(cfg["policy"]), []
+        if str(cfg.get("precision")) not in PRECISIONS:
+            problems.append(f"precision={cfg.get('precision')}: use {' or '.join(PRECISIONS)}")
         if policy in RULE_BASED or policy.startswith(zoo.PREFIX) or Path(policy).exists():
-            return []  # a zoo name is checked when it resolves (the message lists the shipped ones)
-        return [f"policy={policy}: no such file or folder; use expert, expert_seen, random, a checkpoint .pt, a bundle "
-                f"dir or zoo:<name> ({', '.join(zoo.names())})"]
+            return problems  # a zoo name is checked when it resolves (the message lists the shipped ones)
+        return [*problems, f"policy={policy}: no such file or folder; use expert, expert_seen, random, a checkpoint "
+                f".pt, a bundle dir or zoo:<name> ({', '.join(zoo.names())})"]
 
     def holds_run(self, folder: Path) -> bool:
         return (folder / "results.json").exists()

@@ -185,10 +185,11 @@ def compare(a: list[list[dict[str, Any]]], b: list[list[dict[str, Any]]]) -> dic
 
 
 def describe(identity: dict[str, Any]) -> str:
-    """One line for an evaluation's identity block: the policy (its kind, a checkpoint's sha256 prefix), the
-    benchmark and the traffic seed."""
+    """One line for an evaluation's identity block: the policy (its kind, a checkpoint's sha256 prefix, its
+    arithmetic where not float32), the benchmark and the traffic seed."""
     policy = identity.get("policy", {})
     who = policy.get("kind", "?") + (f" sha256 {policy['sha256'][:12]}" if "sha256" in policy else "")
+    who += f" in {policy['precision']}" if "precision" in policy else ""
     line = f"{who}, benchmark {identity.get('benchmark', '?')}, traffic seed {identity.get('seed', '?')}"
     if "unfinished" in identity:
         line += ", **unfinished: {} of {} route runs**".format(*identity["unfinished"])

@@ -88,9 +88,11 @@ class PolicySource:
                                 f"benchmark env gives {None if have is None else list(have.shape)}")
 
 
-def resolve_policy(arg: str, device: torch.device) -> PolicySource:
+def resolve_policy(arg: str, device: torch.device, precision: str = "float64") -> PolicySource:
     """``expert`` | ``expert_seen`` | ``random`` | checkpoint file | bundle directory | ``zoo:<name>`` ->
-    :class:`PolicySource`."""
+    :class:`PolicySource`; a learned policy computes in ``precision`` (``carl.bundle.PRECISIONS``; float64, as
+    carl-eval), which its identity records where it is not float32 (so a results folder never mixes the two, and
+    float32 folders written before the key existed still resume with ``precision=float32``)."""
     if arg in RULE_BASED:
         return PolicySource(arg, arg, {"kind": arg})
     try:
@@ -100,8 +102,10 @@ def resolve_policy(arg: str, device: torch.device) -> PolicySource:
     if not path.exists():
         raise EvalError(f"policy={arg}: no such file or folder; use expert, expert_seen, random, a checkpoint .pt, a "
                         f"bundle dir or zoo:<name> ({', '.join(zoo.names())})")
-    loaded, spec = load_policy(path, device=device, deterministic=True)
+    loaded, spec = load_policy(path, device=device, deterministic=True, precision=precision)
     weights = path / spec["files"]["weights"] if path.is_dir() else path
     name = path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
     identity = {"kind": "bundle" if path.is_dir() else "checkpoint", "sha256": sha256_file(weights)}
+    if precision != "float32":
+        identity["precision"] = precision
     return PolicySource(name, "learned", identity, path=str(path.resolve()), loaded=loaded, spec=spec)

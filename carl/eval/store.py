@@ -219,6 +219,18 @@ def read_results(path: Path) -> dict[str, Any]:
         raise EvalError(f"{path} is not a carl-eval results file ({type(exc).__name__}: {exc})") from None
 
 
+def _precision_hint(found: Any, mine: dict[str, Any]) -> str:
+    """A line for a folder whose results differ from this run's only in the policy's arithmetic (carl-eval's
+    ``precision``; a folder written before the key existed holds float32 results)."""
+    if not isinstance(found, dict) or not isinstance(found.get("policy"), dict):
+        return ""
+    strip = lambda d: {**d, "policy": {k: v for k, v in d["policy"].items() if k != "precision"}}  # noqa: E731
+    if strip(found) != strip(mine):
+        return ""
+    return (f"; the two differ only in precision (the folder's {found['policy'].get('precision', 'float32')}): pass "
+            f"precision={found['policy'].get('precision', 'float32')} to resume it")
+
+
 class ResultStore:
     """``results.json`` of one policy on one benchmark; each finished route is written at once (atomically)."""
 
@@ -235,7 +247,8 @@ class ResultStore:
             if existing is not None and existing.get("carl") != identity:
                 raise EvalError(
                     f"{out_dir} already holds results of another evaluation:\n  found    {json.dumps(existing.get('carl'))}"
-                    f"\n  this run {json.dumps(identity)}\npick another out_dir=, or pass overwrite=true to replace them")
+                    f"\n  this run {json.dumps(identity)}\npick another out_dir=, or pass overwrite=true to replace them"
+                    + _precision_hint(existing.get("carl"), identity))
             if existing is None and (out_dir / "summary.json").exists():
                 raise EvalError(f"{out_dir} holds a summary.json without results.json; pick another out_dir= or pass "
                                 "overwrite=true")
