@@ -336,8 +336,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     :func:`observation_layout` names) to actions [B, 2] in [-1, 1] (:func:`action_names` order). ``backend``:
     ``torch`` (rebuild :class:`CarlPolicy` from the weights; bundle or checkpoint), ``torchscript`` or ``onnx``
     (bundle only: run ``policy.ts`` / ``policy.onnx``). ``precision`` (``PRECISIONS``; the torch backend only): the
-    arithmetic of the network; float64 gives the same actions on every CPU (float32 sums differ in their last bits
-    between CPUs' kernels, and a closed loop of thousands of steps amplifies that: docs/evaluation.md).
+    arithmetic of the network, whose output is float32 either way; in float64 the actions do not follow the last bits
+    of the BLAS kernel's float32 sums, which differ between CPUs and MKL code paths (docs/evaluation.md).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: use {' or '.join(PRECISIONS)}")

@@ -69,7 +69,7 @@ def test_a_policy_evaluated_in_float64_acts_as_in_float32_to_float32_s_precision
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert resolve_policy("zoo:towns", torch.device("cpu")).identity["precision"] == "float64"  # carl-eval's default
-    assert "precision" not in resolve_policy("zoo:towns", torch.device("cpu"), "float32").identity  # as folders of before
+    assert "precision" not in resolve_policy("zoo:towns", torch.device("cpu"), "float32").identity  # as before
 
 
 def test_an_unknown_precision_or_one_an_exported_graph_cannot_run_is_named() -> None:

@@ -99,8 +99,9 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
     policy = resolve_policy(str(cfg["policy"]), device, precision)
     out_dir = Path(cfg["out_dir"]) if cfg.get("out_dir") else default_out_dir(bench.name, policy)
     seed, overwrite = int(cfg.get("seed", 0)), bool(cfg.get("overwrite", False))
-    log(f"carl-eval: policy {policy.name}{'' if policy.kind != 'learned' else ' (' + precision + ')'} | benchmark {bench.name} ({bench.num_routes} routes in {len(bench.groups)} "
-        f"groups, env {bench.env}) | out {out_dir}")
+    arithmetic = f" ({precision})" if policy.kind == "learned" else ""
+    log(f"carl-eval: policy {policy.name}{arithmetic} | benchmark {bench.name} ({bench.num_routes} routes in "
+        f"{len(bench.groups)} groups, env {bench.env}) | out {out_dir}")
     if bench.note:
         log(bench.note)
     with RunLock() as lock:  # one process writes in out_dir at a time
@@ -119,7 +120,7 @@ def _evaluate(cfg: dict[str, Any], bench: Benchmark, policy: PolicySource, out_d
         for name in BASELINES:
             if name == policy.kind:
                 continue
-            base, _ = evaluate_policy(resolve_policy(name, device, precision), bench, out_dir / "baselines" / name, device, seed,
+            base, _ = evaluate_policy(resolve_policy(name, device), bench, out_dir / "baselines" / name, device, seed,
                                       overwrite, log)
             summaries[name] = base
     title = f"{bench.name} ({bench.env}): {summary['routes']}/{bench.num_routes} routes"
