@@ -53,6 +53,11 @@ PolicyFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}  # a loaded policy's arithmetic (load_policy)
 
 
+def precision_problem(precision: object) -> str | None:
+    """The message for a ``precision`` that is not one of ``PRECISIONS`` (None when it is one)."""
+    return None if precision in PRECISIONS else f"precision={precision}: use {' or '.join(PRECISIONS)}"
+
+
 class BundleError(RuntimeError):
     """A bundle that is missing, incomplete or belongs to another model/version; the message names the path."""
 
@@ -339,8 +344,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     arithmetic of the network, whose output is float32 either way; in float64 the actions do not follow the last bits
     of the BLAS kernel's float32 sums, which differ between CPUs and MKL code paths (docs/evaluation.md).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: use {' or '.join(PRECISIONS)}")
+    if precision_problem(precision):
+        raise ValueError(precision_problem(precision))
     if precision != "float32" and backend != "torch":
         raise ValueError(f"precision={precision} needs backend=torch: the {backend} graph was exported in float32")
     try:
@@ -422,5 +427,5 @@ def check_bundle(bundle: str | Path, reference: str | Path | None = None, batch:
     return diffs
 
 
-__all__ = ["Actor", "BundleError", "PRECISIONS", "SetActor", "actor_for", "actor_inputs", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
+__all__ = ["Actor", "BundleError", "PRECISIONS", "SetActor", "precision_problem", "actor_for", "actor_inputs", "LoadedPolicy", "action_names", "check_bundle", "load_policy",
            "observation_layout", "policy_from_checkpoint", "random_observations", "read_spec", "sha256_file"]

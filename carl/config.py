@@ -665,8 +665,8 @@ def cpu_has_bf16() -> bool:
 
 def cpu_bf16_pays() -> bool:
     """Whether bf16 autocast was measured faster than float32 on this kind of CPU (``parallel.bf16=auto``): with AMX
-    tiles, and on AMD's AVX-512 BF16 (Zen 4, Zen 5). On an Intel Xeon with AVX-512 BF16 and no AMX (a VM that hides
-    the tiles) both presets ran 20-25 % slower with it (docs/training.md, "bf16 without AMX")."""
+    tiles, and on AMD's AVX-512 BF16 (Zen 4, Zen 5). On an Intel Xeon with AVX-512 BF16 and no AMX both presets ran
+    20-25 % slower with it (docs/training.md, "bf16 without AMX")."""
     return cpu_has_amx() or (cpu_has_bf16() and cpu_info().get("vendor_id") == "AuthenticAMD")
 
 

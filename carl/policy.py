@@ -193,8 +193,9 @@ class ActorCritic(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The parameters' dtype, which the inputs are cast to: float32, or float64 where an evaluation must not
-        depend on the CPU (``carl-eval precision=float64``); bf16 training autocasts around float32 parameters."""
+        """The parameters' dtype, which the inputs are cast to: float32, or float64 where an evaluation's actions must
+        not follow the BLAS kernel's float32 sums (``carl-eval precision=float64``); bf16 training autocasts around
+        float32 parameters."""
         return self.alpha_out.weight.dtype
 
     # -- signature used by checkpoints ----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_a_policy_evaluated_in_float64_acts_as_in_float32_to_float32_s_precision
 
 
 def test_an_unknown_precision_or_one_an_exported_graph_cannot_run_is_named() -> None:
-    with pytest.raises(ValueError, match="precision='float16': use float32 or float64"):
+    with pytest.raises(ValueError, match="precision=float16: use float32 or float64"):
         load_policy("zoo:towns", precision="float16")
     with pytest.raises(ValueError, match="precision=float64 needs backend=torch"):
         load_policy("zoo:towns", precision="float64", backend="torchscript")

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from carl import zoo
-from carl.bundle import PRECISIONS, BundleError
+from carl.bundle import BundleError, precision_problem
 from carl.checkpoint import CheckpointError
 from carl.cli import Command, run_command
 from carl.config import ConfigError
@@ -95,7 +95,7 @@ def run(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, An
         torch.set_num_threads(int(cfg["torch_threads"]))
     device = torch.device(cfg.get("device") or "cpu")
     bench = resolve_benchmark(cfg["benchmark"])
-    precision = str(cfg.get("precision") or "float64")
+    precision = str(cfg.get("precision", EvalConfig.precision))
     policy = resolve_policy(str(cfg["policy"]), device, precision)
     out_dir = Path(cfg["out_dir"]) if cfg.get("out_dir") else default_out_dir(bench.name, policy)
     seed, overwrite = int(cfg.get("seed", 0)), bool(cfg.get("overwrite", False))
@@ -176,9 +176,8 @@ class EvalCommand(Command):
         return str(default_out_dir(str(cfg["benchmark"].get("name", "benchmark")), policy_name(str(cfg["policy"]))))
 
     def check(self, cfg: dict[str, Any]) -> list[str]:
-        policy, problems = str(cfg["policy"]), []
-        if str(cfg.get("precision")) not in PRECISIONS:
-            problems.append(f"precision={cfg.get('precision')}: use {' or '.join(PRECISIONS)}")
+        policy = str(cfg["policy"])
+        problems = [p for p in (precision_problem(cfg.get("precision")),) if p]
         if policy in RULE_BASED or policy.startswith(zoo.PREFIX) or Path(policy).exists():
             return problems  # a zoo name is checked when it resolves (the message lists the shipped ones)
         return [*problems, f"policy={policy}: no such file or folder; use expert, expert_seen, random, a checkpoint "
