@@ -41,6 +41,8 @@ PRESETS: dict[str, list[str]] = {
     ],
     # the laptop recipe for the benchmark towns (multi-map world of Town01-06)
     "towns": ["+experiment=towns"],
+    # the best recipe so far (issue #25): the vector path on the towns with the expert's cloning term beside PPO
+    "towns_vector_clone": ["+experiment=towns_vector_clone"],
     # CaRL's real shape for one GPU: 10x256x256, 1024 envs x 64 steps = 65,536 samples per update, minibatch 16,384,
     # 3 epochs, Town01-07 + Town10HD (GPU only: one update takes minutes on a CPU). One GPU holds what one of
     # CaRL's 8 ranks holds: 8 micro-batches of 2,048 (the float BEV of 16,384 samples alone is 43 GB)
