@@ -13,7 +13,7 @@ The exported actor takes ``bev`` ([B, C, H, W], uint8 0..255 by default, or floa
 ``bev_dtype=float32``) and ``measurements`` ([B, M] float32) and returns the deterministic action (the Beta mean
 mapped to [-1, 1], [B, 2]) and the Beta parameters ``alpha`` and ``beta`` ([B, 2], both > 1).
 
-A set-encoder policy (``model=set``, the vector observation) takes ``measurements`` and the entity sets
+A set-encoder policy (``model.name=set``, the vector observation) takes ``measurements`` and the entity sets
 (``envs.api.VECTOR_FEATURES``: [B, count, features] float32, the validity flag last) in the order ``spec["inputs"]``
 lists; its spec carries ``vector_geometry`` (the sizes the env must use) where a BEV policy's carries ``bev_geometry``.
 
@@ -79,7 +79,8 @@ class Actor(nn.Module):
 
 
 class SetActor(Actor):
-    """The policy half of the set policy (``model=set``) with positional inputs: the measurements, then the sets."""
+    """The policy half of the set policy (``model.name=set``) with positional inputs: the measurements, then the
+    sets."""
 
     def forward(self, measurements: torch.Tensor, route: torch.Tensor, lanes: torch.Tensor,  # type: ignore[override]
                 vehicles: torch.Tensor, pedestrians: torch.Tensor, statics: torch.Tensor, stops: torch.Tensor

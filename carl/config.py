@@ -66,7 +66,7 @@ class ModelConfig:
     hidden_dim: int = option(256, "width of the measurement MLP and the heads", ge=1)
     fusion_dim: int = option(512, "width of the fusion layer", ge=1)
     min_final_size: int = option(1, "the stride rule keeps the conv output at least this many pixels wide", ge=1)
-    embed_dim: int = option(32, "model=set: width of the per-entity MLP and of each pooled set", ge=1)
+    embed_dim: int = option(32, "model.name=set: width of the per-entity MLP and of each pooled set", ge=1)
 
 
 @dataclass

@@ -265,7 +265,8 @@ class CarlPolicy(ActorCritic):
     """Shared-trunk actor-critic: (BEV, measurements) -> Beta(alpha, beta); + value measurements -> V."""
 
     INPUTS = (OBS_BEV, OBS_MEASUREMENTS)
-    NEEDS = "CaRL's CNN (model=carl) reads the BEV: use env.options.observation=bev, or model=set for the vector one"
+    NEEDS = ("CaRL's CNN (model.name=carl) reads the BEV: use env.options.observation=bev, or model.name=set for the "
+             "vector one")
 
     def __init__(
         self,

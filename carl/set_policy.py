@@ -1,4 +1,4 @@
-"""The set-encoder policy (``model=set``) for the vector observation (``env.options.observation=vector``).
+"""The set-encoder policy (``model.name=set``) for the vector observation (``env.options.observation=vector``).
 
 The cheap twin of CaRL's CNN: the same Beta policy head, value head and PPO, over object-level inputs instead of a
 BEV (:data:`envs.api.VECTOR_FEATURES`):
@@ -98,7 +98,7 @@ class SetPolicy(ActorCritic):
     """Set encoders, a route MLP and a measurement MLP fused into one feature; CaRL's heads (module docstring)."""
 
     INPUTS = (OBS_MEASUREMENTS, *VECTOR_SETS)
-    NEEDS = "the set policy (model=set) reads the vector observation: use env.options.observation=vector"
+    NEEDS = "the set policy (model.name=set) reads the vector observation: use env.options.observation=vector"
 
     def __init__(
         self,

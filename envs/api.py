@@ -78,7 +78,7 @@ NUPLAN_MEASUREMENTS = ("last_acceleration", "last_steering", "velocity_x_mps", "
                        "steering_rate_radps", "yaw_rate_radps", "yaw_acceleration_radps2")
 NUPLAN_VALUE_MEASUREMENTS = ("time_left", "progress_left", "comfort_score", "ttc_score")
 
-# The vector observation (env.options.observation=vector, envs/sim/vector_obs.py; a set-encoder policy, model=set):
+# The vector observation (env.options.observation=vector, envs/sim/vector_obs.py; a set-encoder policy, model.name=set):
 # CaRL's measurements and value measurements, and one padded set per entity type, float32 [count, features], in the
 # ego frame (x forward, y left, m; yaw relative to the ego's), nearest first, whose last feature is the validity flag
 # (padding rows are all zero). Counts and radii: env.options.vector. Units are in the names (_m, _mps, _s).

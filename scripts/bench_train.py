@@ -32,7 +32,7 @@ from carl.train import build_env  # noqa: E402
 PRESETS: dict[str, list[str]] = {
     # the laptop preset as `make train` runs it, but only a few updates
     "quick": ["+experiment=quick"],
-    # its twin on the vector path: entity sets and the set-encoder policy (model=set)
+    # its twin on the vector path: entity sets and the set-encoder policy (model.name=set)
     "quick_vector": ["+experiment=quick_vector"],
     # CaRL's network at its native 10x256x256, few envs and steps so CPU finishes in about a minute
     "carl_256": [

@@ -80,7 +80,7 @@ def test_inputs_are_scaled_by_the_units_in_their_names() -> None:
 
 
 def test_the_network_and_the_observation_must_match() -> None:
-    """model=set with the BEV observation (and model=carl with the vector one) is one config error naming both
+    """model.name=set with the BEV observation (and model.name=carl with the vector one) is one config error naming both
     keys; a set policy built on a BEV spec names the option to set."""
     cfg = TrainConfig()
     cfg.model.name = "set"

@@ -96,7 +96,7 @@ class SimConfig:
     traffic_density: str = "fixed"
     # --- observation
     # "bev": CaRL's 10-channel BEV (every CaRL preset) | "vector": object-level sets for a set-encoder policy
-    # (model=set; envs/sim/vector_obs.py, sizes in `vector`)
+    # (model.name=set; envs/sim/vector_obs.py, sizes in `vector`)
     observation: str = "bev"
     vector: VectorConfig = field(default_factory=VectorConfig)
     bev: bool = True  # draw the BEV (false: a zero BEV of the same shape, for speed)
@@ -137,7 +137,7 @@ class SimConfig:
 
         need(self.route_split in ("train", "eval"), "route_split", "use 'train' or 'eval'")
         need(self.observation in OBSERVATIONS, "observation",
-             "use 'bev' (CaRL's BEV, model=carl) or 'vector' (object-level sets, model=set)")
+             "use 'bev' (CaRL's BEV, model.name=carl) or 'vector' (object-level sets, model.name=set)")
         need(not self.map_weights or len(self.map_weights) == len(self.maps), "map_weights",
              f"give one weight per map of env.options.maps ({len(self.maps)} maps: {list(self.maps)}), or none for equal "
              "weights")
