@@ -160,6 +160,27 @@ def test_driving_on_at_constant_speed_hits_the_pedestrian_and_stopping_does_not(
     assert stop["episode/scenarios/DynamicObjectCrossing/triggered"][0] == 1
 
 
+def test_a_hit_pedestrian_ends_its_crossing_and_the_scenario_ends_40_m_later() -> None:
+    """The collision of the test above: the rules remove the hit pedestrian, so its crossing ends there (the
+    Leaderboard destroys walker and blocker when the walk ends, and ends the scenario 40 m on): from the next step the
+    blocker is gone and the finish is the ego's route metres then; the scenario ends once the ego has driven 40 m
+    more. (It once stayed live, its blocker shown, until the episode ended.)"""
+    env = env_with("DynamicObjectCrossing")
+    w, sta0, log = env.world, env.scenarios.sta0, []
+
+    def record(s, info) -> None:  # noqa: ANN001
+        log.append((float(info["episode/infractions/collision_pedestrian"][0]), bool(s.statics.valid[0, sta0]),
+                    float(w.route_cum[0, s.route_idx[0]]), float(s.scn.fin_m[0, 0]), int(s.scn.status[0, 0])))
+
+    drive(env, 8.0, 140, record=record)
+    hit = next(k for k, x in enumerate(log) if x[0] == 1)
+    assert log[hit][1] and math.isinf(log[hit][3])  # the blocker still there in the step of the hit
+    assert not log[hit + 1][1] and log[hit + 1][3] == log[hit + 1][2]  # the next step: gone, finished there
+    end = next(k for k, x in enumerate(log) if x[4] == DONE)
+    assert log[end][2] >= log[hit + 1][2] + 40.0 > log[end - 1][2]
+    assert not any(x[1] for x in log[hit + 1:])  # the blocker never comes back
+
+
 def test_a_collision_that_ends_the_episode_counts_against_the_live_scenario() -> None:
     """Under CaRL's training rules the pedestrian collision of the test above ends the episode in the step it happens;
     the episode's statistics still charge it to the live scenario (training logs once counted 0 such collisions)."""
@@ -222,6 +243,29 @@ def test_the_left_turn_stream_keeps_its_speed_and_gaps_and_the_lights_are_forced
     assert gaps and min(gaps) > 25.0 - 1e-3 and max(gaps) <= 52.0 + 1e-3
     first = xs[0].max()
     assert float(first) == pytest.approx(HALF + 80.0, abs=2.5)  # the source: 4 v = 80 m before the junction
+
+
+def test_the_stream_goes_on_after_one_of_its_cars_hit_the_ego() -> None:
+    """After a collision with one of its cars the left turn's stream minds the ego (IDM) but keeps coming, as
+    ``ActorFlow`` keeps spawning: with the ego standing in its own lane, out of the stream's way, a new car still
+    enters at the source (80 m east of the junction box) each time the last one is U(25, 50) m on, so over 60 steps
+    (120 m at 20 m/s) at least 120 / 52 - 1 > 1 new cars appear. (The stream once stopped for good.)"""
+    env = env_with("SignalizedJunctionLeftTurn", to="N")
+    a0 = env.scenarios.veh0
+    place_in_trigger_circle(env)
+    for _ in range(20):
+        env.step(torch.tensor([[0.0, -1.0]]))
+    env.state.scn.hit[0, 0] = True  # one of its cars hit the ego (what scenarios.record sets)
+    entered = 0
+    for _ in range(60):
+        env.step(torch.tensor([[0.0, -1.0]]))
+        c, s = env.state.scn, env.state
+        new = c.act_alive[0, 0] & (c.act_s[0, 0] == 0)  # the flow group's cars that entered in this step
+        entered += int(new.sum())
+        xs = s.veh.xy[0, a0:a0 + 8][new]  # the flow group's cars are the first scenario vehicle slots, in order
+        assert torch.allclose(xs[:, 0], torch.full_like(xs[:, 0], HALF + 80.0), atol=2.5)  # at the source
+    assert entered >= 2
+    assert int(env.state.scn.status[0, 0]) == LIVE
 
 
 def test_the_right_turn_stream_starts_filled_outside_the_junction() -> None:

@@ -240,7 +240,8 @@ class RouteScenarios(Part):
     def _move(self, r: BusyRows, g: Tensor, live_g: Tensor, dt: float, draws: Tensor) -> None:
         """Flows: cars advance at the flow's speed (minding the ego, with IDM, once one of them hit it), leave at the
         sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
-        except inside the junction). Single actors walk or drive their path once started, then leave."""
+        except inside the junction), also after a collision, as ``ActorFlow`` goes on spawning. Single actors walk or
+        drive their path once started, then leave."""
         c, tab = r.scn, self.tab
         is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
@@ -253,10 +254,12 @@ class RouteScenarios(Part):
         go = c.act_alive & (flow | moving).unsqueeze(-1)
         c.act_s = torch.where(go, c.act_s + c.act_v * dt, c.act_s)
         # single actors (slot 0): shown from activation (or from the start: the cyclist) until they have moved
-        # move_dist; flows: until the sink
+        # move_dist, or until the ego hit them (the rules removed them: their crossing ends there, and with it the
+        # blocker); flows: until the sink
         end = torch.where(flow, tab.path_len[g], tab.move_dist[g]).unsqueeze(-1)
         finished = c.act_alive & (c.act_s >= end)
-        single_done = finished[..., 0] & ~flow & moving
+        unfinished = ~self._group_flag(c, torch.isfinite(c.fin_m))
+        single_done = ~is_flow & (tab.group[g] >= 0) & ((finished[..., 0] & moving) | (collided & unfinished))
         c.fin_m = torch.where(self._scatter_k(c, single_done), r.route_m.unsqueeze(1), c.fin_m)
         c.act_alive &= ~finished
         # fresh flows: pre-fill along the path (outside the junction), then the spawn rule
@@ -272,7 +275,7 @@ class RouteScenarios(Part):
         c.act_s = torch.where(fill, torch.where(prefill.unsqueeze(-1), pos, 0.0), c.act_s)
         c.act_v = torch.where(fill, tab.speed[g].unsqueeze(-1), c.act_v)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
-        spawn = flow & ~first & ~collided & (nearest > c.next_gap) & ~c.act_alive.all(-1)
+        spawn = flow & ~first & (nearest > c.next_gap) & ~c.act_alive.all(-1)  # after a collision too (ActorFlow)
         slot = (~c.act_alive).float().argmax(-1, keepdim=True)
         new = torch.zeros_like(c.act_alive).scatter(2, slot, spawn.unsqueeze(-1))
         c.act_alive |= new
@@ -290,7 +293,7 @@ class RouteScenarios(Part):
         c, tab = s.scn, self.tab
         g = self.group_scenario(c)
         is_flow = self._is_flow(g)
-        valid = is_flow & (self._group_status(c) == LIVE) & ~self._group_flag(c, c.hit) & ~c.act_alive.all(-1)
+        valid = is_flow & (self._group_status(c) == LIVE) & ~c.act_alive.all(-1)
         nearest = torch.where(c.act_alive, c.act_s, torch.full_like(c.act_s, math.inf)).amin(-1)
         first = (nearest - c.next_gap).clamp(max=0.0)  # m along the path (<= 0; no car yet: inf -> 0)
         back = torch.stack((first, first - tab.gap_lo[g]), -1)  # [B,G,2]
