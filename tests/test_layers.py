@@ -7,6 +7,8 @@
 * ``carl/`` (outside ``carl/deploy/``) never imports ``carl.deploy``: the adapters that join a policy to an outside
   evaluator sit above both packages and may import both, so importing them from the trainer would pull every backend
   in through the back door.
+* ``envs/maps/`` (the lane graph every map source compiles into) sits below the backends: of ``envs/`` it imports only
+  the leaf modules in :data:`MAPS_MAY_IMPORT` (names, data paths, config errors), never a backend or the envs package.
 
 Every ``import`` / ``from ... import`` counts, wherever it stands (module level, inside functions, under
 ``TYPE_CHECKING``); relative imports are resolved against the file's package. Imports written as strings
@@ -24,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # env API, the metric definitions and CaRL's reward. A module matches itself and everything below it.
 INTERFACE = ("envs.api", "envs.metrics", "envs.reward")
 
+# What envs/maps/ may import of envs/: itself and leaf modules that import nothing of envs/ (observation and scenario
+# type names, the data registry's paths, ConfigError)
+MAPS_MAY_IMPORT = ("envs.maps", "envs.api", "envs.data", "envs.config")
+
 # Backend modules carl/ imports today, keyed by the module imported (the reason belongs to the dependency, not to
 # where it is written). Each entry is a
 # debt or a deliberate exception; remove it when nothing imports it any more (test_allow_list_is_current says so).
@@ -34,9 +40,9 @@ ALLOWED: dict[str, str] = {
     # torch.compile with the ConfigError that names the option where a platform cannot compile: the simulator's
     # vector.compile and the trainer's parallel.compile share it (no backend code)
     "envs.compiled": "parallel.compile's torch.compile with a clear error (carl/policy.py)",
-    # training videos: carl/train.py renders the BEV of env 0 to RGB frames for TensorBoard; imported in a try/except
+    # training videos: carl/monitor.py renders the BEV of env 0 to RGB frames for TensorBoard; imported in a try/except
     # so another backend without it still trains (a candidate for envs.api: a backend-neutral `render` hook)
-    "envs.sim.render": "BEV -> RGB frames for training videos (carl/train.py)",
+    "envs.sim.render": "BEV -> RGB frames for training videos (carl/monitor.py)",
     # evaluation on Leaderboard route files: carl-eval reads the route XML to split a CARLA benchmark's routes by town
     # into groups, and turns a bad route file (RouteError) into a clean CLI error
     "envs.maps.routes": "carl-eval parses Leaderboard route XML (towns, groups) and reports RouteError",
@@ -129,6 +135,11 @@ def check_layers(root: Path, allowed: dict[str, str] | None = None) -> list[Viol
             for line, statement, module in imported_modules(path, root):
                 if top == "envs" and _under(module, "carl"):
                     out.append(Violation(rel, line, statement, module, "envs/ must not import carl"))
+                elif (rel.startswith("envs/maps/") and _under(module, "envs")
+                      and not any(_under(module, m) for m in MAPS_MAY_IMPORT)):
+                    out.append(Violation(rel, line, statement, module,
+                                         "envs/maps/ sits below the backends: of envs/ it may import only "
+                                         + ", ".join(MAPS_MAY_IMPORT)))
                 elif top == "carl" and not deploy:
                     if _under(module, "carl.deploy"):
                         out.append(Violation(rel, line, statement, module,
@@ -163,10 +174,15 @@ def _write(root: Path, rel: str, text: str = "") -> None:
 
 
 def test_checker_reports_upward_and_backend_imports(tmp_path: Path) -> None:
-    """The checker can fail: a synthetic tree with one import of each forbidden kind, and allowed ones beside them."""
-    for pkg in ("envs", "envs/sim", "envs/carla", "envs/metrics", "carl", "carl/ppo", "carl/deploy"):
+    """The checker can fail: a synthetic tree with one import of each forbidden kind, and allowed ones beside them (the
+    lane graph's leaf imports of envs/ among them)."""
+    for pkg in ("envs", "envs/sim", "envs/carla", "envs/metrics", "envs/maps", "carl", "carl/ppo", "carl/deploy"):
         _write(tmp_path, f"{pkg}/__init__.py")
     _write(tmp_path, "envs/api.py")
+    _write(tmp_path, "envs/data.py")
+    _write(tmp_path, "envs/maps/graph.py",
+           "from envs.api import SCENARIO_TYPES\nfrom envs import data\nfrom envs.sim.env import SimEnv\n"
+           "from . import graph\n")
     _write(tmp_path, "envs/sim/env.py")
     _write(tmp_path, "envs/metrics/nuplan.py")
     _write(tmp_path, "carl/bundle.py")
@@ -181,12 +197,14 @@ def test_checker_reports_upward_and_backend_imports(tmp_path: Path) -> None:
     assert found == {
         ("envs/carla/agent.py", 5, "carl.bundle"),  # inside a function
         ("envs/sim/up.py", 1, "carl"),
+        ("envs/maps/graph.py", 3, "envs.sim.env"),  # the lane graph below a backend
         ("carl/ppo/bad.py", 6, "envs.sim"),  # `from envs import sim` imports the backend package
         ("carl/ppo/bad.py", 7, "envs.sim.env"),
         ("carl/ppo/bad.py", 8, "carl.deploy.agent"),  # relative import, resolved
     }, found
     allow_sim = {"envs.sim": "test", "envs.sim.env": "test"}
-    assert {v.module for v in check_layers(tmp_path, allowed=allow_sim)} == {"carl", "carl.bundle", "carl.deploy.agent"}
+    assert {v.module for v in check_layers(tmp_path, allowed=allow_sim)} == {  # ALLOWED is carl/'s list only
+        "carl", "carl.bundle", "carl.deploy.agent", "envs.sim.env"}
     assert "carl/ppo/bad.py:7: import envs.sim.env" in "\n".join(map(str, check_layers(tmp_path, allowed={})))
 
 
