@@ -9,12 +9,12 @@ lookup, the rules' judgement); a backend's own data (nuPlan's logs, CARLA's sess
 built. No part reaches another through the core.
 
 * fresh episodes for rows ``rows``: ``starts.pick`` -> ``starts.place`` -> ``ego.reset`` -> ``actors.reset`` ->
-  ``scenarios.reset`` -> ``lights.reset`` -> ``reward.reset`` -> ``metrics.reset`` (the random draws of the built-in simulator follow this
-  order);
+  ``scenarios.reset`` -> ``lights.reset`` -> ``reward.reset`` -> ``metrics.reset`` (the random draws of the built-in
+  simulator follow this order);
 * a step: ``scenarios.control`` -> ``ego.step`` -> ``actors.step`` -> the clock advances -> ``lights.step`` ->
-  ``rules.track`` -> ``scenarios.step`` -> ``rules.judge`` -> ``scenarios.record`` -> ``metrics.record`` ->
-  ``reward.reward`` -> episode statistics -> auto-reset of finished rows -> ``actors.refresh`` ->
-  ``scenarios.refresh`` -> ``observer.observe`` (``reset`` ends with it too). The route scenarios
+  ``rules.track`` -> ``scenarios.step`` -> ``rules.judge`` -> ``reward.reward`` -> the counts ->
+  ``scenarios.record`` -> ``metrics.record`` -> episode statistics -> auto-reset of finished rows ->
+  ``actors.refresh`` -> ``scenarios.refresh`` -> ``observer.observe`` (``reset`` ends with it too). The route scenarios
   (:mod:`envs.sim.scenarios`) also answer every light lookup with their overrides.
 
 Every call is batched over the rows of the state it gets. Parts may keep their own per-row state in an extension of
