@@ -194,6 +194,32 @@ def test_mean_of_route_scores_is_not_the_product_of_means():
     assert summary["km"] == pytest.approx(1.0 + 0.5)  # km driven: length x RC
 
 
+def test_the_global_record_counts_outside_lanes_in_km_and_the_rest_per_km():
+    """The Leaderboard's statistics: every infraction entry is events / km driven, except the route lanes', the km
+    driven outside them in total, read from the message's 9th word (its OutsideRouteLanesTest's wording). Route a
+    (1,000 m, RC 100): 2.5 % outside = 25 m, one vehicle collision; route b (2,000 m, RC 50): 1 % of its length =
+    20 m, no collision. km driven 1.0 + 1.0 = 2.0: 0.5 vehicle collisions per km, 0.045 km outside the lanes. A
+    record worded as carl wrote it before (the % only) gives the same km from its % and route length."""
+    from carl.eval.store import summarize
+    from envs.metrics.leaderboard import lb_global_infraction, make_record
+
+    def ep(rc, outside_pct, collisions):
+        return {"episode/route_completion": rc, "episode/infraction_score": 1.0, "episode/length": 10.0,
+                "episode/termination/route_completed": 1.0, "episode/infractions/outside_lanes": 1.0,
+                "episode/outside_lanes_pct": outside_pct, "episode/infractions/collision_vehicle": collisions}
+
+    records = [make_record(0, "a", ep(100.0, 2.5, 1.0), 1000.0, "g", 0, 1.0, 0.1),
+               make_record(1, "b", ep(50.0, 1.0, 0.0), 2000.0, "g", 1, 1.0, 0.1)]
+    assert records[0]["infractions"]["outside_route_lanes"] == [
+        "Agent went outside its route lanes for about 25.000 meters (2.50% of the completed route)"]
+    per_km = summarize(records, 2)["infractions_per_km_lb"]
+    assert per_km["collision_vehicle"] == pytest.approx(0.5)
+    assert per_km["outside_route_lanes"] == pytest.approx(0.045)
+    records[1]["infractions"]["outside_route_lanes"] = ["Agent went outside its route lanes for about 1.000% of "
+                                                        "the route (1 times)"]
+    assert lb_global_infraction(records, "outside_route_lanes", 2.0) == pytest.approx(0.045)
+
+
 def test_ds_lost_splits_100_minus_ds_among_its_causes():
     """Route a: RC 80 (blocked), one vehicle collision (x0.6) and a min-speed factor of 0.9: IS 0.54, DS 43.2; the
     missed 20 go to the block, RC x (1 - IS) = 36.8 by log 0.6 : log 0.9. Route b: RC 100, two walkers hit (x0.5

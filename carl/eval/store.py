@@ -14,7 +14,7 @@ from typing import Any
 
 from carl.eval import EvalError
 from carl.monitor import EpisodeStats
-from envs.metrics.leaderboard import LB_RECORD_KEYS, GlobalScores, ds_lost, results_file
+from envs.metrics.leaderboard import LB_RECORD_KEYS, GlobalScores, ds_lost, lb_global_infraction, results_file
 
 # summary key -> the route record's score key
 SUMMARY_SCORES = (("driving_score", "score_composed"), ("route_completion", "score_route"),
@@ -103,7 +103,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
-    """Aggregates as the Leaderboard computes them (means over routes; infractions per km driven)."""
+    """Aggregates as the Leaderboard computes them (means over routes; infractions per km driven, the km outside the
+    route lanes in total)."""
     result = aggregate([r["carl"]["episode"] for r in records], total)
     result["routes"] = len(records)
     result["routes_total"] = total
@@ -112,9 +113,7 @@ def summarize(records: list[dict[str, Any]], total: int) -> dict[str, Any]:
         result[key], result[f"{key}_std"] = mean, sd
     km = sum((r["meta"]["route_length"] or 0.0) / 1000.0 * r["scores"]["score_route"] / 100.0 for r in records)
     result["km"] = km
-    result["infractions_per_km_lb"] = {
-        key: (sum(len(r["infractions"].get(key, [])) for r in records) / km if km > 0 else None)
-        for key in LB_RECORD_KEYS}
+    result["infractions_per_km_lb"] = {key: lb_global_infraction(records, key, km) for key in LB_RECORD_KEYS}
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault(r["carl"]["group"], []).append(r)

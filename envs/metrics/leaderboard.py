@@ -55,10 +55,12 @@ def make_record(index: int, route_id: str, ep: dict[str, float], route_length: f
     for name, n in counts.items():
         infractions[LB_INFRACTION_KEYS[name]] += [f"{name.replace('_', ' ')} #{i + 1} (built-in simulator)"
                                                   for i in range(n)]
-    if counts.get("outside_lanes") and "episode/outside_lanes_pct" in ep:  # the Leaderboard's one event, with its %
+    if counts.get("outside_lanes") and "episode/outside_lanes_pct" in ep:  # the Leaderboard's one event, worded as
+        # its OutsideRouteLanesTest writes it: its statistics read the metres as the message's 9th word
+        pct = float(ep["episode/outside_lanes_pct"])
+        metres = pct / 100.0 * (route_length or 0.0)
         infractions[LB_INFRACTION_KEYS["outside_lanes"]] = [
-            f"Agent went outside its route lanes for about {ep['episode/outside_lanes_pct']:.3f}% of the route "
-            f"({counts['outside_lanes']} times)"]
+            f"Agent went outside its route lanes for about {metres:.3f} meters ({pct:.2f}% of the completed route)"]
     reason = termination_reason(ep)
     rc = round(float(ep["episode/route_completion"]), 4)
     penalty = round(float(ep["episode/infraction_score"]), 6)
@@ -81,13 +83,33 @@ def make_record(index: int, route_id: str, ep: dict[str, float], route_length: f
     }
 
 
+def lb_global_infraction(records: list[dict[str, Any]], key: str, km: float) -> float | None:
+    """A results file's global infraction entry as the Leaderboard's statistics compute it: the events per km driven
+    (``km``; None when nothing was driven), except the route lanes' entry, the km driven outside them in total."""
+    if key == LB_INFRACTION_KEYS["outside_lanes"]:
+        return sum(_outside_lanes_km(r) for r in records)
+    return sum(len(r["infractions"].get(key, [])) for r in records) / km if km > 0 else None
+
+
+def _outside_lanes_km(record: dict[str, Any]) -> float:
+    events = record["infractions"].get(LB_INFRACTION_KEYS["outside_lanes"], [])
+    if not events:
+        return 0.0
+    try:  # as the Leaderboard reads it: the metres are its message's 9th word
+        return float(events[0].split(" ")[8]) / 1000.0
+    except (IndexError, ValueError):  # worded otherwise (carl before 2026-12-07): from the route's % and length
+        pct = float(record.get("carl", {}).get("episode", {}).get("episode/outside_lanes_pct", 0.0))
+        return pct / 100.0 * (record["meta"].get("route_length") or 0.0) / 1000.0
+
+
 @dataclass
 class GlobalScores:
     """The aggregates of a results file's ``global_record``."""
 
     mean: dict[str, float]  # by score key (score_composed, score_route, score_penalty)
     std_dev: dict[str, float]  # the same keys: sample standard deviations over routes
-    infractions_per_km: dict[str, float | None]  # by Leaderboard infraction key (None: no km driven)
+    infractions_per_km: dict[str, float | None]  # by Leaderboard infraction key (None: no km driven; the route
+    # lanes' entry: km outside them, as the Leaderboard's; lb_global_infraction)
     total_length: float  # m driven (route length x route completion, summed)
 
 
