@@ -172,7 +172,7 @@ def test_a_hit_pedestrian_ends_its_crossing_and_the_scenario_ends_40_m_later() -
         log.append((float(info["episode/infractions/collision_pedestrian"][0]), bool(s.statics.valid[0, sta0]),
                     float(w.route_cum[0, s.route_idx[0]]), float(s.scn.fin_m[0, 0]), int(s.scn.status[0, 0])))
 
-    drive(env, 8.0, 140, record=record)
+    drive(env, 8.0, 220, record=record)  # 0.8 m per step: the hit near x = -27, the end 40 m past it by step ~170
     hit = next(k for k, x in enumerate(log) if x[0] == 1)
     assert log[hit][1] and math.isinf(log[hit][3])  # the blocker still there in the step of the hit
     assert not log[hit + 1][1] and log[hit + 1][3] == log[hit + 1][2]  # the next step: gone, finished there

@@ -259,7 +259,7 @@ class RouteScenarios(Part):
         end = torch.where(flow, tab.path_len[g], tab.move_dist[g]).unsqueeze(-1)
         finished = c.act_alive & (c.act_s >= end)
         unfinished = ~self._group_flag(c, torch.isfinite(c.fin_m))
-        single_done = ~is_flow & (tab.group[g] >= 0) & ((finished[..., 0] & moving) | (collided & unfinished))
+        single_done = ~is_flow & (tab.group[g] >= 0) & ((finished[..., 0] & moving) | (collided & unfinished & live_g))
         c.fin_m = torch.where(self._scatter_k(c, single_done), r.route_m.unsqueeze(1), c.fin_m)
         c.act_alive &= ~finished
         # fresh flows: pre-fill along the path (outside the junction), then the spawn rule
@@ -317,13 +317,16 @@ class RouteScenarios(Part):
 
     def _careful_speed(self, r: BusyRows, g: Tensor, dt: float) -> Tensor:
         """A flow after a collision (``ActorFlow``: its cars stop ignoring vehicles): IDM towards the flow's speed,
-        behind the ego when it is in their way."""
+        behind the ego or the car ahead of them (they queue), whichever is nearer in their way."""
         c = r.scn
         B, G, F = c.act_s.shape
         xy, yaw = self._pose(g.unsqueeze(-1).expand_as(c.act_s), c.act_s)
-        ego = (r.ego_xy.unsqueeze(1), r.ego_yaw.unsqueeze(1), r.ego_speed.unsqueeze(1), r.ego_half.unsqueeze(1),
-               torch.ones(B, 1, dtype=torch.bool, device=c.act_s.device))
-        gap, lead_v = corridor_gap(xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2), *ego)
+        xy, yaw, half = xy.view(B, G * F, 2), yaw.view(B, G * F), c.act_half.view(B, G * F, 2)
+        obstacles = (torch.cat((r.ego_xy.unsqueeze(1), xy), 1), torch.cat((r.ego_yaw.unsqueeze(1), yaw), 1),
+                     torch.cat((r.ego_speed.unsqueeze(1), c.act_v.view(B, G * F)), 1),
+                     torch.cat((r.ego_half.unsqueeze(1), half), 1),
+                     torch.cat((torch.ones(B, 1, dtype=torch.bool, device=xy.device), c.act_alive.view(B, G * F)), 1))
+        gap, lead_v = corridor_gap(xy, yaw, half, *obstacles)  # a car is not ahead of itself (ahead > 0)
         v = c.act_v.view(B, G * F)
         acc = idm_accel(v, self.tab.speed[g].unsqueeze(-1).expand_as(c.act_v).reshape(B, G * F), gap, v - lead_v)
         return (v + acc * dt).clamp(min=0.0).view(B, G, F)
