@@ -268,6 +268,25 @@ def test_the_stream_goes_on_after_one_of_its_cars_hit_the_ego() -> None:
     assert int(env.state.scn.status[0, 0]) == LIVE
 
 
+def test_a_stream_that_hit_the_ego_queues_behind_it() -> None:
+    """The ego stops across the left turn's oncoming stream, inside the junction (a policy that stalls mid-turn); a
+    stream car hits it, and from then on the stream minds vehicles (IDM): its cars queue behind the ego and behind
+    each other, no two of them overlapping along their path (centres at least the two half lengths apart), and the
+    ones standing in the queue stand still. (Minding only the ego, they once all stopped at the same spot.)"""
+    env = env_with("SignalizedJunctionLeftTurn", to="N")
+    drive(env, 8.0, 400, brake_at_x=-1.0)
+    c = env.state.scn
+    assert bool(c.hit[0, 0]), "a stream car should have hit the standing ego"
+    alive = c.act_alive[0, 0]
+    s_along, half_len, v = c.act_s[0, 0][alive], c.act_half[0, 0, :, 0][alive], c.act_v[0, 0][alive]
+    order = s_along.argsort()
+    s_along, half_len, v = s_along[order], half_len[order], v[order]
+    queued = v < 0.1
+    assert int(queued.sum()) >= 2
+    gaps = s_along.diff() - (half_len[1:] + half_len[:-1])  # bumper to bumper along the path
+    assert (gaps > 0).all(), gaps
+
+
 def test_the_right_turn_stream_starts_filled_outside_the_junction() -> None:
     """SignalizedJunctionRightTurn: from the ego's left (the north approach, southbound), 100 m before to 60 m past
     the junction; pre-filled every U(25, 50) m except inside the box (|y| < 8)."""
