@@ -238,14 +238,14 @@ class RouteScenarios(Part):
         return torch.gather(flag, 1, c.owner.clamp(max=K - 1)) & (c.owner < K)
 
     def _move(self, r: BusyRows, g: Tensor, live_g: Tensor, dt: float, draws: Tensor) -> None:
-        """Flows: cars advance at the flow's speed (minding the ego, with IDM, once one of them hit it), leave at the
+        """Flows: cars advance at the flow's speed (minding the ego and each other, with IDM, once one of them hit it), leave at the
         sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
         except inside the junction), also after a collision, as ``ActorFlow`` goes on spawning. Single actors walk or
         drive their path once started, then leave."""
         c, tab = r.scn, self.tab
         is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
-        collided = self._group_flag(c, c.hit)  # its own actor hit: a single coasts, a flow minds the ego
+        collided = self._group_flag(c, c.hit)  # its own actor hit: a single coasts, a flow minds vehicles
         moving = self._group_flag(c, c.moving)
         c.act_v = torch.where((collided & ~is_flow).unsqueeze(-1), (c.act_v - COAST * dt).clamp(min=0.0), c.act_v)
         careful = (collided & is_flow).unsqueeze(-1)
