@@ -238,10 +238,10 @@ class RouteScenarios(Part):
         return torch.gather(flag, 1, c.owner.clamp(max=K - 1)) & (c.owner < K)
 
     def _move(self, r: BusyRows, g: Tensor, live_g: Tensor, dt: float, draws: Tensor) -> None:
-        """Flows: cars advance at the flow's speed (minding the ego and each other, with IDM, once one of them hit it), leave at the
-        sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled flows start full
-        except inside the junction), also after a collision, as ``ActorFlow`` goes on spawning. Single actors walk or
-        drive their path once started, then leave."""
+        """Flows: cars advance at the flow's speed (minding the ego and each other, with IDM, once one of them hit
+        it), leave at the sink, and a new car enters whenever the last one is U(lo, hi) m from the source (pre-filled
+        flows start full except inside the junction), also after a collision, as ``ActorFlow`` goes on spawning.
+        Single actors walk or drive their path once started, then leave."""
         c, tab = r.scn, self.tab
         is_flow = self._is_flow(g)
         flow = live_g & is_flow  # [B,G]
