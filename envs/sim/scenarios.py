@@ -325,7 +325,8 @@ class RouteScenarios(Part):
         obstacles = (torch.cat((r.ego_xy.unsqueeze(1), xy), 1), torch.cat((r.ego_yaw.unsqueeze(1), yaw), 1),
                      torch.cat((r.ego_speed.unsqueeze(1), c.act_v.view(B, G * F)), 1),
                      torch.cat((r.ego_half.unsqueeze(1), half), 1),
-                     torch.cat((torch.ones(B, 1, dtype=torch.bool, device=xy.device), c.act_alive.view(B, G * F)), 1))
+                     torch.cat((torch.ones(B, 1, dtype=torch.bool, device=xy.device),
+                                (c.act_alive & self._is_flow(g).unsqueeze(-1)).view(B, G * F)), 1))  # flow cars
         gap, lead_v = corridor_gap(xy, yaw, half, *obstacles)  # a car is not ahead of itself (ahead > 0)
         v = c.act_v.view(B, G * F)
         acc = idm_accel(v, self.tab.speed[g].unsqueeze(-1).expand_as(c.act_v).reshape(B, G * F), gap, v - lead_v)
