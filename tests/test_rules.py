@@ -213,7 +213,7 @@ def test_the_global_record_counts_outside_lanes_in_km_and_the_rest_per_km():
     assert records[0]["infractions"]["outside_route_lanes"] == [
         "Agent went outside its route lanes for about 25.000 meters (2.50% of the completed route)"]
     per_km = summarize(records, 2)["infractions_per_km_lb"]
-    assert per_km["collision_vehicle"] == pytest.approx(0.5)
+    assert per_km["collisions_vehicle"] == pytest.approx(0.5)
     assert per_km["outside_route_lanes"] == pytest.approx(0.045)
     records[1]["infractions"]["outside_route_lanes"] = ["Agent went outside its route lanes for about 1.000% of "
                                                         "the route (1 times)"]

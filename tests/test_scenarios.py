@@ -274,7 +274,7 @@ def test_a_stream_that_hit_the_ego_queues_behind_it() -> None:
     each other, no two of them overlapping along their path (centres at least the two half lengths apart), and the
     ones standing in the queue stand still. (Minding only the ego, they once all stopped at the same spot.)"""
     env = env_with("SignalizedJunctionLeftTurn", to="N")
-    drive(env, 8.0, 400, brake_at_x=-1.0)
+    drive(env, 8.0, 400, brake_at_x=-6.0)  # it stops mid-turn across the stream's lane (y = 1.75)
     c = env.state.scn
     assert bool(c.hit[0, 0]), "a stream car should have hit the standing ego"
     alive = c.act_alive[0, 0]
