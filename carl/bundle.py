@@ -345,8 +345,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
     arithmetic of the network, whose output is float32 either way; in float64 the actions do not follow the last bits
     of the BLAS kernel's float32 sums, which differ between CPUs and MKL code paths (docs/evaluation.md).
     """
-    if precision_problem(precision):
-        raise ValueError(precision_problem(precision))
+    if problem := precision_problem(precision):
+        raise ValueError(problem)
     if precision != "float32" and backend != "torch":
         raise ValueError(f"precision={precision} needs backend=torch: the {backend} graph was exported in float32")
     try:

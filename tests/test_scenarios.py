@@ -246,10 +246,11 @@ def test_the_left_turn_stream_keeps_its_speed_and_gaps_and_the_lights_are_forced
 
 
 def test_the_stream_goes_on_after_one_of_its_cars_hit_the_ego() -> None:
-    """After a collision with one of its cars the left turn's stream minds the ego (IDM) but keeps coming, as
-    ``ActorFlow`` keeps spawning: with the ego standing in its own lane, out of the stream's way, a new car still
-    enters at the source (80 m east of the junction box) each time the last one is U(25, 50) m on, so over 60 steps
-    (120 m at 20 m/s) at least 120 / 52 - 1 > 1 new cars appear. (The stream once stopped for good.)"""
+    """After a collision with one of its cars the left turn's stream minds vehicles (IDM behind the car ahead: 10-20
+    m/s) but keeps coming, as ``ActorFlow`` keeps spawning: with the ego standing in its own lane, out of the stream's
+    way, a new car still enters at the source (80 m east of the junction box) each time the last one is U(25, 50) m
+    on, so over 120 steps (at least 120 m at 10 m/s or more) at least 120 // 52 = 2 new cars appear. (The stream once
+    stopped for good.)"""
     env = env_with("SignalizedJunctionLeftTurn", to="N")
     a0 = env.scenarios.veh0
     place_in_trigger_circle(env)
@@ -257,7 +258,7 @@ def test_the_stream_goes_on_after_one_of_its_cars_hit_the_ego() -> None:
         env.step(torch.tensor([[0.0, -1.0]]))
     env.state.scn.hit[0, 0] = True  # one of its cars hit the ego (what scenarios.record sets)
     entered = 0
-    for _ in range(60):
+    for _ in range(120):
         env.step(torch.tensor([[0.0, -1.0]]))
         c, s = env.state.scn, env.state
         new = c.act_alive[0, 0] & (c.act_s[0, 0] == 0)  # the flow group's cars that entered in this step

@@ -176,8 +176,8 @@ class EvalCommand(Command):
         return str(default_out_dir(str(cfg["benchmark"].get("name", "benchmark")), policy_name(str(cfg["policy"]))))
 
     def check(self, cfg: dict[str, Any]) -> list[str]:
-        policy = str(cfg["policy"])
-        problems = [p for p in (precision_problem(cfg.get("precision")),) if p]
+        policy, problem = str(cfg["policy"]), precision_problem(cfg.get("precision"))
+        problems = [problem] if problem else []
         if policy in RULE_BASED or policy.startswith(zoo.PREFIX) or Path(policy).exists():
             return problems  # a zoo name is checked when it resolves (the message lists the shipped ones)
         return [*problems, f"policy={policy}: no such file or folder; use expert, expert_seen, random, a checkpoint "

@@ -259,7 +259,7 @@ class RouteScenarios(Part):
         end = torch.where(flow, tab.path_len[g], tab.move_dist[g]).unsqueeze(-1)
         finished = c.act_alive & (c.act_s >= end)
         unfinished = ~self._group_flag(c, torch.isfinite(c.fin_m))
-        single_done = ~is_flow & (tab.group[g] >= 0) & ((finished[..., 0] & moving) | (collided & unfinished & live_g))
+        single_done = ~is_flow & ((finished[..., 0] & moving) | (collided & unfinished & live_g))
         c.fin_m = torch.where(self._scatter_k(c, single_done), r.route_m.unsqueeze(1), c.fin_m)
         c.act_alive &= ~finished
         # fresh flows: pre-fill along the path (outside the junction), then the spawn rule
