@@ -216,7 +216,9 @@ def load_checkpoint(path: str | Path, signature: dict | None = None, map_locatio
     if signature is not None:
         diffs = signature_differences(signature, ckpt.get("signature", {}))
         if diffs:
-            raise CheckpointError(f"checkpoint {path} belongs to another model: " + "; ".join(diffs))
+            raise CheckpointError(f"checkpoint {path} belongs to another model: " + "; ".join(diffs)
+                                  + "; build the model and env options it was saved with (the run's config.yaml), or "
+                                    "start a new run (run_dir=) for the new ones")
     return ckpt
 
 

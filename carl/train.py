@@ -271,9 +271,11 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     # a resumed run's weights come from its own last.pt
     loaded = load_initial_weights(policy, cfg.init_from) if cfg.init_from and not cfg.resume else None
     cfg.run_dir = str(run_dir)
+    save_config = lambda: OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")  # noqa: E731
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+        if not cfg.resume:  # a resume keeps the saved one until last.pt accepted this config (below)
+            save_config()
     say(f"run folder: {run_dir}", flush=True)
     if loaded:
         say(loaded, flush=True)
@@ -302,6 +304,8 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     start_update, global_step, best_ds = 0, 0, float("-inf")
     if cfg.resume:
         start_update, global_step, best_ds = checkpoints.restore()
+        if ctx.is_main:
+            save_config()
         say(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
         trainer.reset(seed=None)
     else:

@@ -55,6 +55,13 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     again = run([*TINY, f"run_dir={run_dir}"])
     assert again.returncode == 2 and "already holds a run" in again.stderr and "resume=" in again.stderr
 
+    # a resume whose options build another observation is refused by last.pt, naming the fix, and the run's
+    # config.yaml stays as it was: a later plain resume still reads the options the run was saved with
+    saved = (run_dir / "config.yaml").read_bytes()
+    other = run([f"resume={run_dir}", "env.options.bev_size=32"])
+    assert other.returncode == 2 and "belongs to another model" in other.stderr and "run_dir=" in other.stderr
+    assert (run_dir / "config.yaml").read_bytes() == saved
+
     # resume continues the update counter up to the new total
     resumed = run([f"resume={run_dir}", "ppo.total_timesteps=64"])
     assert resumed.returncode == 0, resumed.stderr
