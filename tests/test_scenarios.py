@@ -408,6 +408,31 @@ def test_scenarios_that_cannot_be_placed_are_skipped_with_a_reason() -> None:
     env.step(torch.zeros(1, 2))
 
 
+def test_a_scenario_with_a_bad_parameter_is_skipped_naming_the_file_route_and_parameter(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A parameter that is not a number is a setup error: the Leaderboard skips the scenario with a warning and plays
+    the rest of the route; so does carl, naming the route file, the route, the scenario and the parameter."""
+    graph = junction_map()
+    route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [OFF, HALF + ARM - 5]]), name="Town01_3")
+    route.source = "route file f.xml: route 3 (Town01_3)"
+    defs = [ScenarioDef("W_1", "DynamicObjectCrossing", (-38.0, -OFF), 0.0, {"distance": {"value": "far"}}),
+            ScenarioDef("L_1", "SignalizedJunctionLeftTurn", (-38.0, -OFF), 0.0,
+                        {"source_dist_interval": {"from": "near", "to": "50"}}),
+            ScenarioDef("C_1", "ControlLoss", (-38.0, -OFF), 0.0)]
+    route.scenarios = tuple(scenarios_on_route(defs, route.points, route.source))
+    cfg = SimConfig(traffic=False, bev=False).validate()
+    with caplog.at_level("WARNING"):
+        world = build_world(graph, [route], cfg, torch.device("cpu"))
+    walker, left, loss = world.route_scenarios[0]
+    assert not walker.kept and walker.reason == ("bad parameter: scenario W_1 (DynamicObjectCrossing): parameter "
+                                                 "<distance value='far'> is not a number")
+    assert not left.kept and "parameter <source_dist_interval from='near'> is not a number" in left.reason
+    assert loss.kept and world.has_scenarios
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("route file f.xml: route 3 (Town01_3): scenario W_1 (DynamicObjectCrossing) skipped")
+               for m in warned), warned
+
+
 def test_training_routes_carry_scenarios_where_each_type_can_be_played() -> None:
     """Random routes: Poisson(density x km) scenarios; a left turn only before a lit junction the route turns left
     at, 15-40 m ahead of it, one per junction however dense (a second flow there would preempt the first); none on

@@ -100,6 +100,7 @@ class Route:
     points: np.ndarray
     lanes: np.ndarray
     scenarios: tuple = ()  # the route's scenarios (envs.maps.scenarios.RouteScenario), kept and dropped
+    source: str = ""  # where it was read, for messages ("route file F: route 7 (Town01_7)"); "" for planned routes
 
     def cumulative(self) -> np.ndarray:
         """[R] arc length from the first point (float64, starts at 0)."""

@@ -44,13 +44,18 @@ class ScenarioDef:
 
     def value(self, tag: str, default: float) -> float:
         """A numeric ``<tag value=.../>`` parameter, or ``default`` (the scenario's own default) when absent."""
+        return self.number(tag, "value", default)
+
+    def number(self, tag: str, attr: str, default: float) -> float:
+        """A numeric attribute ``<tag attr=.../>`` (e.g. ``source_dist_interval``'s ``from``), or ``default`` when
+        absent; :class:`RouteError` naming the scenario and parameter when it is not a number."""
         attrs = self.params.get(tag)
-        if attrs is None or "value" not in attrs:
+        if attrs is None or attr not in attrs:
             return default
         try:
-            return float(attrs["value"])
+            return float(attrs[attr])
         except ValueError:
-            raise RouteError(f"scenario {self.name} ({self.type}): parameter <{tag} value={attrs['value']!r}> "
+            raise RouteError(f"scenario {self.name} ({self.type}): parameter <{tag} {attr}={attrs[attr]!r}> "
                              "is not a number") from None
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from envs.maps.lanegraph import CONTROL_LIGHT, LaneGraph
-from envs.maps.routes import Route
+from envs.maps.routes import Route, RouteError
 from envs.api import SCENARIO_TYPES
 from envs.maps.scenarios import RouteScenario, ScenarioDef, scenarios_on_route
 
@@ -406,8 +406,7 @@ def junction_flow(sd: ScenarioDef, geo: _RouteGeo, roads: Roads, i: int, rng: np
     green, the junction's others red; ends 10 m after the ego leaves the junction, or after 240 s (timeout)."""
     kind = SCENARIO_TYPES.index(sd.type)
     v = sd.value("flow_speed", FLOW_SPEED)
-    interval = sd.params.get("source_dist_interval", {})
-    lo, hi = float(interval.get("from", FLOW_GAP[0])), float(interval.get("to", FLOW_GAP[1]))
+    lo, hi = sd.number("source_dist_interval", "from", FLOW_GAP[0]), sd.number("source_dist_interval", "to", FLOW_GAP[1])
     if not (v > 0 and 0 < lo <= hi):
         raise ScenarioSkip(f"flow_speed={v}, source_dist_interval=({lo}, {hi}): need a positive speed and 0 < from <= to")
     j_in, j_out, approach, ego_light = _junction(geo, roads, i)
@@ -520,9 +519,11 @@ def compile_scenarios(graph: LaneGraph, routes: list[Route], device: torch.devic
             if rs.kept:
                 try:
                     row = place_scenario(rs, geo, roads, np.random.default_rng([seed, len(rows)]))
-                except ScenarioSkip as e:
-                    rs = replace(rs, index=-1, reason=f"cannot be placed on the map: {e}")
-                    log.warning("%s: scenario %s (%s) skipped: %s", r.name, rs.defn.name, rs.defn.type, rs.reason)
+                except (ScenarioSkip, RouteError) as e:  # the Leaderboard, too, skips a scenario it cannot set up
+                    why = "cannot be placed on the map" if isinstance(e, ScenarioSkip) else "bad parameter"
+                    rs = replace(rs, index=-1, reason=f"{why}: {e}")
+                    log.warning("%s: scenario %s (%s) skipped: %s", r.source or r.name, rs.defn.name, rs.defn.type,
+                                rs.reason)
                 else:
                     first, count = GROUP_FAMILY.get(row["type"], (-1, 1))
                     o = family_count.get(first, 0)

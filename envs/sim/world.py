@@ -396,8 +396,8 @@ def map_routes(graph: LaneGraph, name: str, cfg: SimConfig, route_seed: int = 0,
         for rid, t, kp in parse_leaderboard_xml(cfg.route_file):
             if t == town:
                 r = plan_route(graph, kp, name=f"{t}_{rid}")
-                r.scenarios = tuple(scenarios_on_route(defs.get(rid, []), r.points, f"route file {cfg.route_file}: "
-                                                       f"route {rid} ({r.name})"))
+                r.source = f"route file {cfg.route_file}: route {rid} ({r.name})"
+                r.scenarios = tuple(scenarios_on_route(defs.get(rid, []), r.points, r.source))
                 routes.append(r)
         if not routes:
             raise MapError(f"route file {cfg.route_file} has no routes for {noun} '{town}'; set {key} to a {noun} it uses")
