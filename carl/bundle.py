@@ -259,6 +259,15 @@ def action_names(spec: dict[str, Any]) -> tuple[str, ...]:
     return names or ACTIONS
 
 
+def remedy(bundle: Path) -> str:
+    """How to get an intact copy of a damaged bundle: a shipped zoo policy is restored from the repository, any other
+    is exported again."""
+    here = Path(bundle).resolve()
+    if not here.is_relative_to(zoo.ZOO_DIR):
+        return "export it again with carl-export"
+    return f"restore the shipped files (git checkout -- {here.relative_to(zoo.ZOO_DIR.parent.parent)}, or a fresh clone)"
+
+
 def bundle_file(bundle: Path, spec: dict[str, Any], kind: str) -> Path:
     """The path of the bundle's ``kind`` file (weights, torchscript, onnx), checked against the sha256 that
     ``spec.json`` records, so a truncated, swapped or damaged file is named before anything reads it."""
@@ -269,11 +278,11 @@ def bundle_file(bundle: Path, spec: dict[str, Any], kind: str) -> Path:
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise BundleError(f"bundle {bundle}: spec.json names {kind} file {name!r} outside the bundle folder")
     if not path.is_file():
-        raise BundleError(f"bundle {bundle} lacks {name}; export it again with carl-export")
+        raise BundleError(f"bundle {bundle} lacks {name}; {remedy(bundle)}")
     want = (spec.get("sha256") or {}).get(name)
     if want is not None and sha256_file(path) != want:
         raise BundleError(f"bundle {bundle}: {name} does not match the sha256 in spec.json (damaged or replaced "
-                          "after export); export it again with carl-export")
+                          f"after export); {remedy(bundle)}")
     return path
 
 
@@ -296,8 +305,8 @@ def _bundle_weights(bundle: Path, spec: dict[str, Any]) -> dict[str, torch.Tenso
     try:
         return load_file(str(weights))
     except (SafetensorError, OSError) as exc:
-        raise BundleError(f"bundle {bundle}: {weights.name} is not a safetensors file ({exc}); export it again with "
-                          "carl-export") from None
+        raise BundleError(f"bundle {bundle}: {weights.name} is not a safetensors file ({exc}); "
+                          f"{remedy(bundle)}") from None
 
 
 @dataclass
@@ -366,7 +375,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
                     actor = torch.jit.load(str(script), map_location=device).eval()
             except RuntimeError as exc:
                 raise BundleError(f"bundle {path}: {script.name} is not a TorchScript archive "
-                                  f"({str(exc).strip().splitlines()[0]}); export it again with carl-export") from None
+                                  f"({str(exc).strip().splitlines()[0]}); {remedy(path)}") from None
             return LoadedPolicy(spec, device, deterministic, actor=actor), spec
         if backend == "onnx":
             try:
@@ -380,7 +389,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", determinis
                 session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
             except Exception as exc:  # noqa: BLE001 - onnxruntime's own error types
                 raise BundleError(f"bundle {path}: {graph.name} is not an ONNX model ({str(exc).splitlines()[0]}); "
-                                  "export it again with carl-export") from None
+                                  f"{remedy(path)}") from None
             return LoadedPolicy(spec, device, deterministic, session=session), spec
         raise ValueError(f"backend={backend!r}: use torch, torchscript or onnx")
     if not path.exists():

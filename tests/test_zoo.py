@@ -90,3 +90,18 @@ def test_a_shipped_policy_starts_a_fine_tuning_run() -> None:
     shipped = load_policy("zoo:towns_vector")[0].actor.policy.state_dict()
     mine = fresh.state_dict()
     assert shipped.keys() == mine.keys() and all(torch.equal(mine[k], v) for k, v in shipped.items())
+
+
+def test_a_damaged_zoo_policy_is_named_with_how_to_restore_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shipped policy cannot be exported again by its user: a damaged one (here a copy in a zoo folder of its own,
+    its weights cut short) is named with the restore from the repository, not carl-export."""
+    import shutil
+
+    shipped = tmp_path / "carl" / "zoo"
+    shutil.copytree(zoo.ZOO_DIR / "towns_vector", shipped / "towns_vector")
+    weights = shipped / "towns_vector" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    monkeypatch.setattr(zoo, "ZOO_DIR", shipped)
+    with pytest.raises(BundleError, match=r"weights\.safetensors does not match the sha256 .*restore the shipped files "
+                                          r"\(git checkout -- carl/zoo/towns_vector, or a fresh clone\)"):
+        load_policy("zoo:towns_vector")
