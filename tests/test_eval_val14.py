@@ -73,7 +73,8 @@ def test_val14_with_a_checkpoint(dataset, tmp_path):
     assert summary["routes"] == len(dataset[2]) and 0.0 <= summary["closed_loop_score"] <= 100.0
     # a policy trained on the CARLA observation (10 channels) cannot drive CaRL's nuPlan one: a clear error
     carla = tiny_checkpoint(tmp_path / "carla" / "last.pt")
-    with pytest.raises(EvalError, match=r"expects bev of shape \[10, 32, 32\], the benchmark env gives \[9, 32, 32\]"):
+    with pytest.raises(EvalError, match=r"expects bev of shape \[10, 32, 32\], the benchmark env gives \[9, 32, 32\]; "
+                                        r"evaluate it on a benchmark of the env it was trained on"):
         run(cfg_for(dataset, tmp_path, f"out_dir={tmp_path / 'out_carla'}", f"policy={carla}"), log=lambda m: None)
 
 

@@ -85,7 +85,9 @@ class PolicySource:
             have = env.observation_spec.get(key)
             if have is None or list(have.shape) != list(want["shape"]):
                 raise EvalError(f"policy {self.path} expects {key} of shape {want['shape']}, the "
-                                f"benchmark env gives {None if have is None else list(have.shape)}")
+                                f"benchmark env gives {None if have is None else list(have.shape)}; evaluate it on "
+                                "a benchmark of the env it was trained on, without benchmark.options that change "
+                                "its observation (the policy's own are in its spec.json / config.yaml)")
 
 
 def resolve_policy(arg: str, device: torch.device, precision: str = "float64") -> PolicySource:
