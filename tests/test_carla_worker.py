@@ -430,3 +430,29 @@ def test_route_scenarios_play_on_the_server(standin) -> None:
     assert any(abs(x - r["state_prop"][0]) < 0.05 and abs(y - r["state_prop"][1]) < 0.05 for x, y in r["props"])
     assert r["ego_light_red"] == "Red" and r["ego_light_after_5s"] == "Green"
     assert r["flow_cars"] == r["state_flow_cars"] >= 1
+
+
+def test_a_blueprint_the_server_lacks_is_named_at_the_first_reset_not_counted_as_a_crash() -> None:
+    """A server whose library has no blueprint for a scenario actor (here: none at all) cannot play the route
+    scenarios however often it restarts: the part raises CarlaError naming the actor and the fix when it first
+    mirrors the state (the episode's reset), instead of losing every episode as a server crash."""
+    from envs.carla.scenarios import CarlaScenarios
+
+    class Library:
+        def filter(self, pattern: str) -> list:
+            return []
+
+    class Session:
+        crashed = False
+
+        def __init__(self) -> None:
+            self.cworld = type("World", (), {"get_blueprint_library": lambda _self: Library()})()
+
+        def mark_crash(self, e: BaseException) -> None:
+            raise AssertionError(f"counted as a crash: {e}")
+
+    part = CarlaScenarios(Session())
+    part.on = True
+    with pytest.raises(CarlaError, match=r"no blueprint for a scenario car \(none matches vehicle\.lincoln\.mkz_2020, "
+                                         r"vehicle\.\*\).*env\.options\.route_scenarios=false"):
+        part.mirror(None)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from envs.carla.servers import CLIENT_VERSION, CarlaError
 from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
 from envs.sim.scenario_world import NUM_GROUPS, VEHICLE_GROUPS
 from envs.sim.scenarios import RouteScenarios
@@ -63,8 +64,12 @@ class CarlaScenarios(RouteScenarios):
             self.forget()
             self.server = self.session.cworld
         try:
+            for kind in BLUEPRINTS:  # all of them at the first reset (then cached): a lacking one is named up front
+                _blueprint(self.session, kind)
             self._actors(s)
             self._lights(s)
+        except CarlaError:  # a blueprint the server lacks: a setup problem no restart mends
+            raise
         except RuntimeError as e:  # the server is gone: the session recovers it and the episode counts as lost
             self.session.mark_crash(e)
 
@@ -171,5 +176,7 @@ def _blueprint(sess: Any, kind: str) -> Any:
                 cache[kind] = found[0]
                 break
         else:
-            raise RuntimeError(f"the CARLA server has no blueprint for a scenario {kind} ({', '.join(BLUEPRINTS[kind])})")
+            raise CarlaError(f"the CARLA server has no blueprint for a scenario {kind} (none matches "
+                             f"{', '.join(BLUEPRINTS[kind])}); route scenarios need a CARLA {CLIENT_VERSION} "
+                             "whose blueprint library has them, or env.options.route_scenarios=false")
     return cache[kind]

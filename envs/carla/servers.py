@@ -50,6 +50,11 @@ class ServerError(RuntimeError):
     """A CARLA server could not be found, started, reached or kept alive; the message says why and what to do."""
 
 
+class CarlaError(RuntimeError):
+    """A CARLA setup problem the worker cannot recover from (wrong town, version mismatch, restart budget spent, a
+    blueprint the server lacks)."""
+
+
 # ---------------------------------------------------------------------------------------------- lifetime
 # Everything that owns server processes (servers, vector envs) registers here, so that the owner's interpreter exit
 # and a SIGTERM stop them. A crashed owner (SIGKILL) is covered by the launcher's watchdog instead.

@@ -36,7 +36,7 @@ from envs.carla.lights import CarlaLights, CarlaLightSource
 from envs.carla.scenarios import CarlaScenarios
 from envs.carla.mapping import (Reading, build_carla_world, ego_frame_velocity, fill_pedestrians, fill_vehicles,
                                 graph_from_xodr, is_emergency, route_towns, vehicle_lights)
-from envs.carla.servers import CLIENT_VERSION, CarlaServer, ServerError, probe_version
+from envs.carla.servers import CLIENT_VERSION, CarlaError, CarlaServer, ServerError, probe_version
 from envs.maps.opendrive import world_to_carla, world_yaw_to_carla
 from envs.sim.config import SimConfig
 from envs.sim.env import SimEnv
@@ -48,10 +48,6 @@ from envs.sim.world import LightFn
 log = logging.getLogger(__name__)
 
 EGO_BLUEPRINT = "vehicle.lincoln.mkz_2020"  # CaRL's ego; its half extent is SimConfig.ego_half_extent
-
-
-class CarlaError(RuntimeError):
-    """A CARLA setup problem the worker cannot recover from (wrong town, version mismatch, restart budget spent)."""
 
 
 def _carla() -> Any:
