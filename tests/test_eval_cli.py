@@ -189,8 +189,9 @@ def test_repetitions_drive_every_route_again_with_the_next_traffic_seeds(tmp_pat
     assert any("repetition 2/2" in line for line in lines)
     assert "2 repetitions" in (tmp_path / "reps" / "summary.md").read_text()
 
-    with pytest.raises(EvalError, match="benchmark.repetitions=0"):
+    with pytest.raises(EvalError, match="benchmark.repetitions=0: give a whole number >= 1"):
         evaluate(tmp_path / "bad", "policy=expert", "benchmark.repetitions=0")
+    assert not (tmp_path / "bad").exists()  # refused before the results folder is made
 
 
 def test_unseen_towns_drives_held_out_lane_changing_routes_on_each_named_town(tmp_path: Path) -> None:

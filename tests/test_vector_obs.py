@@ -193,7 +193,7 @@ def test_a_backend_that_cannot_build_it_says_so() -> None:
     from envs.sim.observation import CarlaObserver
 
     cfg = _cfg()
-    with pytest.raises(ConfigError, match="observation=vector.*CarlaObserver"):
+    with pytest.raises(ConfigError, match="observation=vector.*CarlaObserver.*use env.options.observation=bev"):
         SimEnv(cfg, 1, world=build_world(road(), [route()], cfg, torch.device("cpu")), observer=CarlaObserver())
 
 

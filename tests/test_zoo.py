@@ -44,6 +44,8 @@ def test_an_unknown_zoo_name_lists_the_shipped_ones() -> None:
         load_policy("zoo:no_such_policy")
     with pytest.raises(EvalError, match="zoo:towns_vector"):
         resolve_policy("zoo:no_such_policy", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(BundleError, match=r"^init_from=zoo:no_such_policy: no such policy in the zoo .*zoo:towns_vector"):
+        load_initial_weights(torch.nn.Linear(1, 1), "zoo:no_such_policy")  # named with the key the user gave
 
 
 def test_the_shipped_towns_policy_drives_two_longest6_routes(tmp_path: Path) -> None:
