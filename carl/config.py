@@ -328,8 +328,8 @@ def check_value(base: Any, key: str, value: Any, add: bool = False) -> bool:
         raise ConfigError(f"+{key}={value!r}: the key exists, so drop the '+' ({key}=...); '+' adds a key, '++' sets "
                           "either way")
     node = parent._get_node(leaf) if depth == len(parts) - 1 and leaf in parent.keys() else None
-    if isinstance(node, BooleanNode) and not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} must be true or false")
+    if isinstance(node, BooleanNode) and not isinstance(value, bool) and not (value is None and node._is_optional()):
+        raise ConfigError(f"{key}={value!r} must be true or false")  # None: an optional flag's "not set" (saved so)
     try:
         OmegaConf.update(base, key, value, merge=True, force_add=add or not _typed(parent))
     except (ValidationError, ConfigKeyError) as exc:

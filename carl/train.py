@@ -66,22 +66,35 @@ def train_config(overrides: list[str]) -> TrainConfig:
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
     if not resume:
         return config.load(overrides, world_size)
-    from omegaconf import OmegaConf
-
-    saved = Path(resume) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"resume={resume}: {saved} does not exist; pass the run folder of an earlier run")
+    data = saved_config(resume)
     rest = [o for o in overrides if not o.startswith("resume=")]
-    groups = [o for o in rest if o.lstrip("+").split("=", 1)[0] in config.GROUPS]
+    own = f"env={env_group(data)}"  # the run's own env group: what carl-train adds to compose a resume
+    groups = [o for o in rest if o.lstrip("+").split("=", 1)[0] in config.GROUPS and o != own]
     if groups:
         raise ConfigError(f"resume={resume} reuses the run's config; group selections {groups} are not allowed")
-    data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
-    assert isinstance(data, dict)
     changed = resume_changes(data, rest)
     if changed:
         raise ConfigError(f"resume={resume} continues the run's env and model as saved in last.pt, so "
                           f"{', '.join(changed)} cannot change; start a new run (run_dir=) to change them")
     return config.from_dict({**data, "resume": resume, "run_dir": resume}, rest, world_size)
+
+
+def saved_config(resume: str) -> dict[str, Any]:
+    """The ``config.yaml`` of the run folder ``resume``, as plain values."""
+    from omegaconf import OmegaConf
+
+    saved = Path(resume) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume={resume}: {saved} does not exist; pass the run folder of an earlier run")
+    data = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+    assert isinstance(data, dict)
+    return data
+
+
+def env_group(data: dict[str, Any]) -> str:
+    """The ``env=`` group a saved config was composed with: its backend, or ``custom`` for an env factory."""
+    name = str((data.get("env") or {}).get("name", "sim"))
+    return name if config.backend_of(name) else "custom"
 
 
 def resume_changes(saved: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -416,6 +429,15 @@ class TrainCommand(Command):
         DistributedError: ("distributed error", 3, "; the last checkpoint (last.pt) is intact")}
     result_source = "eval/final.json"
     locks_folder = True
+
+    def rewrite(self, overrides: list[str]) -> list[str]:
+        """A resume is composed with the run's own env group, so that options only its backend has (nuPlan's
+        ``data_root``, a custom factory's free keys) can be overridden."""
+        resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+        if not resume or not (Path(resume) / "config.yaml").is_file() or any(
+                o.lstrip("+").startswith("env=") for o in overrides):
+            return overrides
+        return [f"env={env_group(saved_config(resume))}", *overrides]
 
     def load(self, overrides: list[str]) -> TrainConfig:
         return train_config(overrides)

@@ -348,6 +348,26 @@ def test_resume_cannot_change_the_env_or_model(tmp_path: Path) -> None:
         train_config([f"resume={tmp_path}", "env.num_envs=3", "model.hidden_dim=8"])
 
 
+def test_a_resume_overrides_options_only_its_own_backend_has(tmp_path: Path) -> None:
+    """A nuPlan run resumed with its data moved (``env.options.data_root``, a key the default sim env lacks): the
+    command line is composed with the run's own env group, which the resume accepts; another group is refused."""
+    from omegaconf import OmegaConf
+
+    from carl.cli import prepare
+    from carl.train import TrainCommand
+
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(OmegaConf.create(load_config(["env=nuplan", f"run_dir={run}"]).to_dict()), run / "config.yaml")
+    (run / "last.pt").touch()  # the command line is checked before anything reads it
+    plan = prepare(TrainCommand(), [f"resume={run}", "env.options.data_root=/data/moved"])
+    assert "env=nuplan" in plan.hydra_argv
+    cfg = TrainCommand().load([f"resume={run}", "env=nuplan", "env.options.data_root=/data/moved"])
+    assert cfg.env.options["data_root"] == "/data/moved" and cfg.resume == str(run)
+    with pytest.raises(ConfigError, match=r"group selections \['env=sim'\] are not allowed"):
+        TrainCommand().load([f"resume={run}", "env=sim"])
+
+
 def test_a_town_that_is_not_there_says_how_to_add_it(tmp_path: Path) -> None:
     from envs.maps.lanegraph import MapError
     from envs.maps.opendrive import load_town

@@ -62,8 +62,9 @@ def test_train_resume_and_refuse(tmp_path: Path) -> None:
     assert other.returncode == 2 and "belongs to another model" in other.stderr and "run_dir=" in other.stderr
     assert (run_dir / "config.yaml").read_bytes() == saved
 
-    # resume continues the update counter up to the new total
-    resumed = run([f"resume={run_dir}", "ppo.total_timesteps=64"])
+    # resume continues the update counter up to the new total (a custom factory's free option may be given again:
+    # the resume is composed with the run's own env group)
+    resumed = run([f"resume={run_dir}", "ppo.total_timesteps=64", "++env.options.episode_length=8"])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at update 2" in resumed.stdout
     assert "update 3/4" in resumed.stdout and "update 4/4" in resumed.stdout
