@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from envs.config import ConfigError
-from envs.maps.lanegraph import CONTROL_LIGHT, Lane, LaneGraph, LightGroup, StopLine
+from envs.maps.lanegraph import CONTROL_LIGHT, CONTROL_STOP, Lane, LaneGraph, LightGroup, StopLine
 from envs.maps.routes import plan_route
 from envs.maps.scenarios import ScenarioDef, scenarios_on_route
 from envs.sim.agents import LIGHT_EMERGENCY
@@ -33,8 +33,9 @@ def _bezier(p0: np.ndarray, u0: np.ndarray, p2: np.ndarray, u2: np.ndarray) -> n
     return (1 - t) ** 2 * p0 + 2 * (1 - t) * t * c + t ** 2 * p2
 
 
-def junction_map(arms: str = "ENWS") -> LaneGraph:
-    """A lit junction of the ``arms`` (a 4-way one by default; "EWS": a T without the north arm)."""
+def junction_map(arms: str = "ENWS", lit: bool = True) -> LaneGraph:
+    """A lit junction of the ``arms`` (a 4-way one by default; "EWS": a T without the north arm); ``lit=False``: stop
+    signs on every approach instead of lights."""
     dirs = {k: d for k, d in DIRS.items() if k in arms}
     lanes, ids, stops = [], {}, []
     for k, d in dirs.items():
@@ -44,7 +45,8 @@ def junction_map(arms: str = "ENWS") -> LaneGraph:
         lanes.append(Lane(points=np.stack([d * HALF + r * OFF, d * (HALF + ARM) + r * OFF]), width=WIDTH))
         ids[f"in_{k}"] = len(lanes)
         lanes.append(Lane(points=np.stack([d * (HALF + ARM) - r * OFF, d * HALF - r * OFF]), width=WIDTH))
-        stops.append(StopLine(lane=ids[f"in_{k}"], control=CONTROL_LIGHT, light_group=len(stops)))
+        stops.append(StopLine(lane=ids[f"in_{k}"], control=CONTROL_LIGHT, light_group=len(stops)) if lit
+                     else StopLine(lane=ids[f"in_{k}"], control=CONTROL_STOP))
     for a, da in dirs.items():
         for b, db in dirs.items():
             if a != b:
@@ -53,7 +55,7 @@ def junction_map(arms: str = "ENWS") -> LaneGraph:
                 pts = _bezier(da_ * HALF - ra * OFF, -da_, db_ * HALF + rb * OFF, db_)
                 lanes[ids[f"in_{a}"]].successors.append(len(lanes))
                 lanes.append(Lane(points=pts, is_junction=True, junction=0, successors=[ids[f"out_{b}"]], width=WIDTH))
-    groups = [LightGroup(junction=0, phase=PHASE[k], num_phases=2) for k in dirs]
+    groups = [LightGroup(junction=0, phase=PHASE[k], num_phases=2) for k in dirs] if lit else []
     return LaneGraph.build("junction", lanes, stops, groups)
 
 
@@ -403,6 +405,26 @@ def test_scenarios_that_cannot_be_placed_are_skipped_with_a_reason() -> None:
     (placed,) = world.route_scenarios[0]
     assert not placed.kept and "no junction on the route after its trigger" in placed.reason
     assert not world.has_scenarios
+    env = SimEnv(cfg, 1, world=world)
+    env.reset()
+    env.step(torch.zeros(1, 2))
+
+
+@pytest.mark.parametrize(("arms", "lit", "why"), [
+    ("ENWS", False, "the junction after the trigger has no traffic light on the ego's approach"),
+    ("EWS", True, "its junction has no entry lane from the ego's left side")])
+def test_a_right_turn_needs_a_light_and_a_stream_from_the_left(arms: str, lit: bool, why: str) -> None:
+    """The right turn overrides its junction's lights and draws its stream from the ego's left: at stop signs, or
+    at a T whose missing arm is that side (the ego comes from the west and turns south: its left is north), it is
+    skipped with that reason; the env runs without it."""
+    graph = junction_map(arms, lit=lit)
+    route = plan_route(graph, np.array([[-HALF - ARM + 5, -OFF], [-OFF, -HALF - ARM + 5]]), name="r")
+    route.scenarios = tuple(scenarios_on_route(
+        [ScenarioDef("R_1", "SignalizedJunctionRightTurn", (-38.0, -OFF), 0.0)], route.points, "r"))
+    cfg = SimConfig(traffic=False, bev=False).validate()
+    world = build_world(graph, [route], cfg, torch.device("cpu"))
+    (placed,) = world.route_scenarios[0]
+    assert not placed.kept and placed.reason == f"cannot be placed on the map: {why}"
     env = SimEnv(cfg, 1, world=world)
     env.reset()
     env.step(torch.zeros(1, 2))
