@@ -9,6 +9,11 @@ from carl import config
 from carl.config import ConfigError, TrainConfig
 
 
+def resume_of(overrides: list[str]) -> str | None:
+    """The run folder of a ``resume=<dir>`` override, if any."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+
+
 def resumed_config(resume: str, overrides: list[str], world_size: int = 1) -> TrainConfig:
     """``<resume>/config.yaml`` with ``overrides`` (no ``resume=``) applied and validated; group selections other
     than the run's own env group, and changes to what ``last.pt`` fixes, are refused with the fix."""

@@ -50,7 +50,7 @@ from carl.parallel.launch import check_world
 from carl.policy import compile_network, describe, make_policy
 from carl.ppo import PPOTrainer
 from carl.progress import RunProgress
-from carl.resume import env_group, resumed_config, saved_config
+from carl.resume import env_group, resume_of, resumed_config, saved_config
 from carl.run_checkpoints import Checkpoints
 from carl.runlock import RunLock, claim_run_dir
 from carl.stop import StopRequest
@@ -64,7 +64,7 @@ def train_config(overrides: list[str]) -> TrainConfig:
     """Compose (or, with ``resume=<dir>``, reload ``<dir>/config.yaml``), apply overrides, validate (for torchrun's
     ``WORLD_SIZE`` ranks)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+    resume = resume_of(overrides)
     if not resume:
         return config.load(overrides, world_size)
     return resumed_config(resume, [o for o in overrides if not o.startswith("resume=")], world_size)
@@ -224,9 +224,14 @@ def _train(cfg: TrainConfig, ctx: DistContext, device: torch.device) -> int:
         lock.release()
 
 
-def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir: Path) -> int:
+def save_config(cfg: TrainConfig, run_dir: Path) -> None:
+    """``<run dir>/config.yaml``: what a resume reloads."""
     from omegaconf import OmegaConf
 
+    OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+
+
+def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir: Path) -> int:
     say = print if ctx.is_main else (lambda *_a, **_k: None)  # only rank 0 prints, logs and writes files
     if cfg.parallel.torch_threads:
         torch.set_num_threads(cfg.parallel.torch_threads)
@@ -243,11 +248,10 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     # a resumed run's weights come from its own last.pt
     loaded = load_initial_weights(policy, cfg.init_from) if cfg.init_from and not cfg.resume else None
     cfg.run_dir = str(run_dir)
-    save_config = lambda: OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")  # noqa: E731
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.resume:  # a resume keeps the saved one until last.pt accepted this config (below)
-            save_config()
+            save_config(cfg, run_dir)
     say(f"run folder: {run_dir}", flush=True)
     if loaded:
         say(loaded, flush=True)
@@ -277,7 +281,7 @@ def _train_in(cfg: TrainConfig, ctx: DistContext, device: torch.device, run_dir:
     if cfg.resume:
         start_update, global_step, best_ds = checkpoints.restore()
         if ctx.is_main:
-            save_config()
+            save_config(cfg, run_dir)
         say(f"resumed from {run_dir / 'last.pt'} at update {start_update} ({global_step:,} samples)", flush=True)
         trainer.reset(seed=None)
     else:
@@ -392,7 +396,7 @@ class TrainCommand(Command):
     def rewrite(self, overrides: list[str]) -> list[str]:
         """A resume is composed with the run's own env group, so that options only its backend has (nuPlan's
         ``data_root``, a custom factory's free keys) can be overridden."""
-        resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume=")), None)
+        resume = resume_of(overrides)
         if not resume or not (Path(resume) / "config.yaml").is_file() or any(
                 o.lstrip("+").startswith("env=") for o in overrides):
             return overrides

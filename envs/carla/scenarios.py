@@ -60,12 +60,14 @@ class CarlaScenarios(RouteScenarios):
         """The state's scenario actors and light overrides onto the server (batch of one)."""
         if not self.on or self.session.crashed:
             return
-        if self.server is not self.session.cworld:  # a new server: the old actors and lights went with the old one
+        fresh = self.server is not self.session.cworld
+        if fresh:  # a new server: the old actors and lights went with the old one
             self.forget()
             self.server = self.session.cworld
         try:
-            for kind in BLUEPRINTS:  # all of them at the first reset (then cached): a lacking one is named up front
-                _blueprint(self.session, kind)
+            if fresh:  # every blueprint the part may spawn, at the first reset: a lacking one is named up front
+                for kind in BLUEPRINTS:
+                    _blueprint(self.session, kind)
             self._actors(s)
             self._lights(s)
         except CarlaError:  # a blueprint the server lacks: a setup problem no restart mends
