@@ -97,7 +97,7 @@ def test_vector_presets_are_their_bev_twins_task_on_the_vector_path(preset, twin
 
 def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
     """towns_vector_clone changes only the teacher, the cloning schedule (a floor of 0.2), the samples and epochs, three
-    scenario weights (longest6's right turns 76 -> 600, emergency vehicles 43 -> 150, cyclists 2 -> 60), the actors'
+    scenario weights (longest6's right turns 76 -> 600, emergency vehicles 43 -> 400, cyclists 2 -> 60), the actors'
     view (60 -> 120 m), the speeding factor (off) and the held-out evaluations (every 480 updates: 4 in the run, not
     18), and validates (the sim backend has an expert)."""
     from carl.config import TrainConfig
@@ -110,7 +110,7 @@ def test_the_cloning_preset_is_towns_vector_with_the_expert_as_teacher():
     options = base["env"]["options"]
     assert options["scenario_weights"][3:] == [76.0, 43.0, 2.0]  # the towns preset's: longest6 v2's own counts
     assert clone["env"]["options"] == {**options, "scenario_weights": [*options["scenario_weights"][:3], 600.0,
-                                                                        150.0, 60.0],
+                                                                        400.0, 60.0],
                                        "vector": {**options["vector"], "actor_radius": 120.0},
                                        "reward": {**options.get("reward", {}), "use_speeding": False}}
     assert (clone["model"], clone["env"]["eval_options"]) == (base["model"], base["env"]["eval_options"])
