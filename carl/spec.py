@@ -4,6 +4,7 @@ signature, the versions, the source; :func:`make_spec` writes it for a network a
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +25,28 @@ ONNX_INPUTS = (OBS_BEV, OBS_MEASUREMENTS)  # the actor inputs of bundles written
 ONNX_OUTPUTS = ("action", "alpha", "beta")
 
 
-def git_commit() -> str:
-    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), or ``unknown`` outside git."""
+def git_commit(repo: Path = Path(__file__).resolve().parent.parent) -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files); in a ``git archive`` copy, the
+    commit it was made from (``carl/.git_archival.txt``); ``unknown`` otherwise."""
     import subprocess
 
-    repo = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return _archived_commit(repo / "carl" / ".git_archival.txt")
     return f"{head}-dirty" if dirty else head
+
+
+def _archived_commit(path: Path) -> str:
+    """The commit ``git archive`` wrote into ``path`` (``node: <sha>``), or ``unknown`` (no file, or not substituted)."""
+    try:
+        found = re.fullmatch(r"node: ([0-9a-f]{40})\s*", path.read_text())
+    except OSError:
+        return "unknown"
+    return found.group(1)[:12] if found else "unknown"
 
 
 def carl_version() -> str:

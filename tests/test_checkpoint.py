@@ -1,4 +1,4 @@
-"""Checkpoints: atomic write, round trip (model, optimiser, RNG), corrupt file and model-mismatch errors."""
+"""Checkpoints: atomic write, round trip (model, optimiser, RNG), corrupt file and model-mismatch errors, provenance."""
 from __future__ import annotations
 
 import random
@@ -85,3 +85,22 @@ def test_model_mismatch_is_refused(tmp_path: Path) -> None:
     big = make_policy(64)
     with pytest.raises(CheckpointError, match=r"belongs to another model: obs_shapes"):
         load_checkpoint(tmp_path / "c.pt", big.signature())
+
+
+def test_a_run_from_a_git_archive_records_the_commit_it_was_made_from(tmp_path: Path) -> None:
+    """A long run is often started from ``git archive`` (a snapshot that later commits leave alone): the checkpoint's
+    provenance (a zoo card's commit) names the archived commit, and a plain copy of the file names none."""
+    import subprocess
+
+    from carl.spec import git_commit
+
+    repo = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "carl/.git_archival.txt"], cwd=repo,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    assert git_commit(tmp_path) == head.stdout.strip()[:12]
+    (tmp_path / "carl" / ".git_archival.txt").write_text("node: $Format:%H$\n")  # copied, not archived
+    assert git_commit(tmp_path) == "unknown"
