@@ -41,7 +41,7 @@ def git_commit(repo: Path = Path(__file__).resolve().parent.parent) -> str:
 
 
 def _archived_commit(path: Path) -> str:
-    """The commit ``git archive`` wrote into ``path`` (``node: <sha>``), or ``unknown`` (no file, or not substituted)."""
+    """The commit ``git archive`` wrote into ``path`` (``node: <sha>``); ``unknown`` without one (a plain copy)."""
     try:
         found = re.fullmatch(r"node: ([0-9a-f]{40})\s*", path.read_text())
     except OSError:
